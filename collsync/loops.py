@@ -1,0 +1,135 @@
+"""Where a runtime, the server and a policy meet: the worker step, the server loop and the allreduce loop.
+
+The simulator drives the same `Worker` and `Server` from its event queue; MPI runtimes drive them from
+`run_worker` / `run_server` / `run_allreduce` below. A user's own script can drive a `Worker` step by step:
+
+    stamp = mailbox.read(model.params, worker.ready); worker.begin(stamp)
+    ... loss.backward() ...;  mailbox.send(worker.arrival(model.grads.clone()))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from collsync.flat import FlatModel
+from collsync.policy import SyncPolicy
+from collsync.runtime import Collective, Mailbox
+from collsync.server import Server
+from collsync.types import Arrival, Flat, Stamp
+
+GradFn = Callable[[Flat, int, int], Flat]
+"""(params, worker, batch index) -> gradient: the computation every runtime times and moves."""
+
+
+class Gradients:
+    """The gradient of the mean cross-entropy on worker `w`'s `j`-th batch, at the given parameters."""
+
+    def __init__(self, flat: FlatModel, batches: object) -> None:
+        self.flat = flat
+        self.batches = batches
+
+    def __call__(self, params: Flat, worker: int, index: int) -> Flat:
+        x, y = self.batches.batch(worker, index)  # type: ignore[attr-defined]
+        return self.at(params, x, y)
+
+    def at(self, params: Flat, x: torch.Tensor, y: torch.Tensor) -> Flat:
+        self.flat.load(params)
+        self.flat.zero_grad()
+        F.cross_entropy(self.flat.module(x), y).backward()
+        return self.flat.grads.clone()
+
+
+@dataclass
+class Worker:
+    """One worker's side of a policy: which round it computes and on which version, one gradient at a time."""
+
+    rank: int
+    policy: SyncPolicy
+    clock: int = -1
+    version: int = 0
+    steps: int = 0
+
+    def ready(self, stamp: Stamp) -> bool:
+        """May this worker start its next gradient on parameters at `stamp`? (SSP bound, BSP barrier.)"""
+        return stamp.done or self.policy.may_start(self.clock + 1, stamp.version)
+
+    def begin(self, stamp: Stamp) -> int:
+        """Start a gradient on parameters at `stamp`; returns the round it is computed for."""
+        self.clock = self.policy.next_clock(self.clock, stamp.version)
+        self.version = stamp.version
+        return self.clock
+
+    def arrival(self, grad: Flat) -> Arrival:
+        """Wrap the finished gradient for the server."""
+        self.steps += 1
+        return Arrival(self.rank, self.version, grad, self.clock)
+
+
+def run_worker(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat) -> int:
+    """Read, compute, send until the server says done. Returns the number of gradients sent."""
+    while True:
+        stamp = mailbox.read(params, worker.ready)
+        if stamp.done:
+            return worker.steps
+        worker.begin(stamp)
+        mailbox.send(worker.arrival(grads(params, worker.rank, worker.steps)))
+
+
+def run_server(server: Server, mailbox: Mailbox, on_update: Callable[[Server], None] | None = None) -> Server:
+    """Receive, accept, publish until `server.done`; then drop what is still in flight."""
+    policy = server.policy
+    mailbox.publish(server.view(), server.stamp())
+    wait = policy.timeout or policy.deadline
+    while not server.done:
+        arrival = mailbox.recv(timeout=wait)
+        before = server.version
+        if arrival is not None:
+            server.accept(arrival)
+        elif policy.timeout is not None:
+            server.flush()
+        else:
+            raise TimeoutError(_stuck_message(server))
+        if server.version != before:
+            mailbox.publish(server.view(), server.stamp())
+            if on_update is not None:
+                on_update(server)
+    for arrival in mailbox.close():
+        server.accept(arrival)
+    return server
+
+
+def _stuck_message(server: Server) -> str:
+    got = {a.worker for a in server.pending.get(server.version, [])}
+    missing = [w for w in range(server.workers) if w not in got]
+    return (
+        f"{server.policy.name}: round {server.version} got no gradient within deadline={server.policy.deadline}s; "
+        f"waiting on worker(s) {missing}"
+    )
+
+
+def run_allreduce(
+    server: Server,
+    collective: Collective,
+    grads: GradFn,
+    params: Flat,
+    on_update: Callable[[Server], None] | None = None,
+) -> Server:
+    """Serverless BSP: every rank holds a replica of the server; the mean gradient comes from an allreduce.
+
+    Each replica applies the same mean with the same rule, so replicas stay identical without a broadcast.
+    """
+    worker = Worker(collective.rank, server.policy)
+    while not server.done:
+        stamp = server.stamp()
+        worker.begin(stamp)
+        params.copy_(server.view())
+        g = collective.allreduce_mean(grads(params, collective.rank, worker.steps))
+        worker.steps += 1
+        server.apply_mean(g, [Arrival(r, stamp.version, g, stamp.version) for r in range(collective.size)])
+        if on_update is not None:
+            on_update(server)
+    return server

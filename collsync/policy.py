@@ -1,0 +1,97 @@
+"""Sync policies: when a worker may start, how many gradients make an update, and what happens to late ones.
+
+A policy is a frozen dataclass of plain values, validated where it is written. Two families share it:
+
+* **rounds** (BSP, backup workers, SSP): gradients are tagged with the round (`clock`) they were computed for. Round
+  t is applied once `quorum` gradients for it arrived; a gradient for a round already applied is dropped
+  (000_... Alg. 3-4: "stale gradients dropped"). A worker may start round c once the server reached version
+  c - max_lead: max_lead = 0 is BSP/backup, max_lead = s is SSP with bound s (004_... §II-C), so SSP with s = 0 is
+  BSP by construction.
+* **stream** (ASGD, PSP): every gradient is applied, in groups of `quorum` (1 for ASGD), whatever its version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """How workers and the server synchronise. Build one with `bsp`, `backup`, `asynchronous` or `ssp`."""
+
+    name: str
+    rounds: bool = True
+    backups: int = 0
+    quorum: int | None = None
+    max_lead: int | None = 0
+    timeout: float | None = None
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.backups < 0:
+            raise ValueError(f"{self.name}: {self.backups=} must be >= 0")
+        if self.quorum is not None and self.quorum < 1:
+            raise ValueError(f"{self.name}: {self.quorum=} must be >= 1")
+        if self.max_lead is not None and self.max_lead < 0:
+            raise ValueError(f"{self.name}: {self.max_lead=} must be >= 0")
+        if not self.rounds and self.max_lead is not None:
+            raise ValueError(f"{self.name}: a stream policy has no rounds to lead by; got {self.max_lead=}")
+        if self.rounds and self.max_lead is None:
+            raise ValueError(f"{self.name}: a round policy needs max_lead >= 0")
+        if self.rounds and self.max_lead and self.backups:
+            raise ValueError(f"{self.name}: SSP (max_lead={self.max_lead}) cannot drop backups ({self.backups=})")
+        for key in ("timeout", "deadline"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{self.name}: {key}={value!r} must be > 0 seconds")
+        if self.timeout is not None and self.deadline is not None and not self.timeout < self.deadline:
+            raise ValueError(f"{self.name}: timeout={self.timeout} must be < deadline={self.deadline}")
+
+    def check(self, workers: int) -> None:
+        """Fail before training when the policy cannot run with this many workers."""
+        if workers < 1:
+            raise ValueError(f"{self.name}: {workers=} must be >= 1")
+        if self.backups >= workers:
+            raise ValueError(f"{self.name}: backups={self.backups} must be < {workers=}")
+        if self.quorum is not None and self.quorum > workers:
+            raise ValueError(f"{self.name}: quorum={self.quorum} must be <= {workers=}")
+        if self.quorum is not None and self.backups and self.quorum != workers - self.backups:
+            raise ValueError(f"{self.name}: quorum={self.quorum} contradicts backups={self.backups} of {workers=}")
+
+    def quorum_for(self, workers: int) -> int:
+        """The number of gradients one update averages (the divisor N of 000_... Alg. 4)."""
+        if self.quorum is not None:
+            return self.quorum
+        return workers - self.backups if self.rounds else 1
+
+    def may_start(self, clock: int, version: int) -> bool:
+        """Whether a worker may compute the gradient of round `clock` on parameters at server `version`."""
+        return not self.rounds or version >= clock - (self.max_lead or 0)
+
+    def next_clock(self, clock: int, version: int) -> int:
+        """The round a worker computes next, having finished `clock` and read `version`.
+
+        A backup worker that fell behind skips to the server's round (its late gradient was dropped anyway).
+        """
+        return max(clock + 1, version) if self.rounds else version
+
+
+def bsp(deadline: float | None = None) -> SyncPolicy:
+    """Bulk-synchronous: every worker, every round; the mean of all n gradients."""
+    return SyncPolicy("bsp", deadline=deadline)
+
+
+def backup(backups: int = 1, deadline: float | None = None) -> SyncPolicy:
+    """Sync-Opt with b backup workers (000_... Alg. 3-4): the first N = n - b gradients of each round are averaged,
+    later ones are dropped."""
+    return SyncPolicy("backup", backups=backups, deadline=deadline)
+
+
+def asynchronous(quorum: int = 1, timeout: float | None = None) -> SyncPolicy:
+    """ASGD (001_... Alg. 1-2) with quorum 1; with quorum c > 1 and a timeout, the partial push of PSP (003_...)."""
+    return SyncPolicy("async", rounds=False, quorum=quorum, max_lead=None, timeout=timeout)
+
+
+def ssp(max_lead: int = 3, deadline: float | None = None) -> SyncPolicy:
+    """Stale-synchronous parallel (004_... §II-C): a worker may run at most `max_lead` rounds ahead of the slowest."""
+    return SyncPolicy("ssp", max_lead=max_lead, deadline=deadline)

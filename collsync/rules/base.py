@@ -1,0 +1,101 @@
+"""The optax-style rule interface: a rule is a pair of pure functions over flat tensors.
+
+A rule turns what arrived at the server into something else: a penalty turns a stale gradient into a penalised
+gradient, an optimizer turns an (averaged, penalised) gradient into the parameter delta. Rules never mutate the
+parameters; `collsync.server.Server.accept` is the only place parameters change.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from collsync.types import Context, Flat, State
+
+
+def params_unchanged(params: Flat, state: State) -> Flat:
+    """The default `view`: workers read the server's parameters as they are."""
+    return params
+
+
+class Rule(NamedTuple):
+    """`init(params) -> state`; `update(grad, state, params, ctx) -> (out, state)`; `view(params, state) -> params`.
+
+    `needs_read` asks the server to keep the parameters each worker read, so that `ctx.read` is filled (Gap-Aware
+    measures the gap theta_k - theta_{k-tau}; 001_... App. D.1 keeps one copy per worker on the master).
+    """
+
+    init: Callable[[Flat], State]
+    update: Callable[[Flat, State, Flat, Context], tuple[Flat, State]]
+    view: Callable[[Flat, State], Flat] = params_unchanged
+    needs_read: bool = False
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless rule."""
+
+
+def identity() -> Rule:
+    """The rule that passes its input through: `penalty=none`."""
+
+    def init(params: Flat) -> EmptyState:
+        return EmptyState()
+
+    def update(grad: Flat, state: EmptyState, params: Flat, ctx: Context) -> tuple[Flat, EmptyState]:
+        return grad, state
+
+    return Rule(init, update)
+
+
+def chain(*rules: Rule) -> Rule:
+    """Compose rules left to right: the output of one is the input of the next; views compose in the same order."""
+
+    def init(params: Flat) -> tuple[State, ...]:
+        return tuple(r.init(params) for r in rules)
+
+    def update(grad: Flat, state: tuple[State, ...], params: Flat, ctx: Context) -> tuple[Flat, tuple[State, ...]]:
+        new_states = []
+        for rule, s in zip(rules, state, strict=True):
+            grad, s = rule.update(grad, s, params, ctx)
+            new_states.append(s)
+        return grad, tuple(new_states)
+
+    def view(params: Flat, state: tuple[State, ...]) -> Flat:
+        for rule, s in zip(rules, state, strict=True):
+            params = rule.view(params, s)
+        return params
+
+    return Rule(init, update, view, any(r.needs_read for r in rules))
+
+
+def check_lr(name: str, lr: float) -> None:
+    """Reject a learning rate that cannot train, naming the rule and the value."""
+    if not lr > 0:
+        raise ValueError(f"{name}: {lr=} must be > 0")
+
+
+def check_unit(name: str, key: str, value: float, *, closed: bool = False) -> None:
+    """Reject a decay/momentum coefficient outside [0, 1) (or [0, 1] when `closed`)."""
+    ok = 0.0 <= value <= 1.0 if closed else 0.0 <= value < 1.0
+    if not ok:
+        bound = "[0, 1]" if closed else "[0, 1)"
+        raise ValueError(f"{name}: {key}={value!r} must be in {bound}")
+
+
+def check_positive(name: str, key: str, value: float) -> None:
+    """Reject an epsilon or scale that must be strictly positive."""
+    if not value > 0:
+        raise ValueError(f"{name}: {key}={value!r} must be > 0")
+
+
+def warmup_lr(lr: float, warmup: int, step: int) -> float:
+    """Linear warm-up: lr * min(1, (step + 1) / warmup) (warmup = 0 switches it off)."""
+    if warmup <= 0:
+        return lr
+    return lr * min(1.0, (step + 1) / warmup)
+
+
+def zeros_like(params: Flat) -> torch.Tensor:
+    """A fresh zero buffer the shape of the parameters (rules own their buffers)."""
+    return torch.zeros_like(params)

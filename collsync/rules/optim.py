@@ -1,0 +1,154 @@
+"""Base optimizers applied on the server: SGD, momentum, Nesterov (NAG), RMSProp with momentum, Adam.
+
+Each returns the parameter *delta*; `Server.accept` adds it. Momentum follows 001_... §3 without dampening:
+v_{k+1} = gamma * v_k + g, theta_{k+1} = theta_k - eta * v_{k+1}. Weight decay is added to the gradient before the
+update (001_... C.5 puts it inside the penalised gradient, which a penalty upstream in `chain` achieves).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from collsync.rules.base import (
+    EmptyState,
+    Rule,
+    check_lr,
+    check_positive,
+    check_unit,
+    warmup_lr,
+    zeros_like,
+)
+from collsync.types import Context, Flat
+
+
+def _check_decay(name: str, weight_decay: float) -> None:
+    if weight_decay < 0:
+        raise ValueError(f"{name}: {weight_decay=} must be >= 0")
+
+
+def sgd(lr: float = 0.1, weight_decay: float = 0.0, warmup: int = 0) -> Rule:
+    """Plain SGD: delta = -eta * (g + lambda * theta)."""
+    check_lr("sgd", lr)
+    _check_decay("sgd", weight_decay)
+
+    def init(params: Flat) -> EmptyState:
+        return EmptyState()
+
+    def update(grad: Flat, state: EmptyState, params: Flat, ctx: Context) -> tuple[Flat, EmptyState]:
+        if weight_decay:
+            grad = grad + weight_decay * params
+        return grad * -warmup_lr(lr, warmup, ctx.step), state
+
+    return Rule(init, update)
+
+
+class MomentumState(NamedTuple):
+    """The update vector v of 001_... §3."""
+
+    v: torch.Tensor
+
+
+def momentum(
+    lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, warmup: int = 0, nesterov: bool = False
+) -> Rule:
+    """Heavy-ball momentum (001_... Alg. 2): v <- gamma v + g; delta = -eta v.
+
+    With `nesterov=True`, NAG in its usual deep-learning form: v <- gamma v + g; delta = -eta (gamma v + g).
+    """
+    name = "nesterov" if nesterov else "momentum"
+    check_lr(name, lr)
+    check_unit(name, "momentum", momentum)
+    _check_decay(name, weight_decay)
+
+    def init(params: Flat) -> MomentumState:
+        return MomentumState(zeros_like(params))
+
+    def update(grad: Flat, state: MomentumState, params: Flat, ctx: Context) -> tuple[Flat, MomentumState]:
+        if weight_decay:
+            grad = grad + weight_decay * params
+        v = state.v * momentum + grad
+        step = grad + momentum * v if nesterov else v
+        return step * -warmup_lr(lr, warmup, ctx.step), MomentumState(v)
+
+    return Rule(init, update)
+
+
+_heavy_ball = momentum
+
+
+def nesterov(lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, warmup: int = 0) -> Rule:
+    """Nesterov's accelerated gradient (NAG-ASGD on the server, 001_...)."""
+    return _heavy_ball(lr, momentum, weight_decay, warmup, nesterov=True)
+
+
+class RMSPropState(NamedTuple):
+    """Running mean square of gradients `ms` and momentum buffer `mom`."""
+
+    ms: torch.Tensor
+    mom: torch.Tensor
+
+
+def rmsprop(
+    lr: float = 0.01, decay: float = 0.9, momentum: float = 0.9, eps: float = 1.0, weight_decay: float = 0.0,
+    warmup: int = 0,
+) -> Rule:
+    """RMSProp with momentum as used by 000_... App. A (decay 0.9, momentum 0.9), in TensorFlow's form:
+
+    ms <- decay ms + (1 - decay) g^2;  mom <- momentum mom + eta g / sqrt(ms + eps);  delta = -mom.
+    TensorFlow's Inception recipe uses eps = 1.0, which is the default here.
+    """
+    check_lr("rmsprop", lr)
+    check_unit("rmsprop", "decay", decay)
+    check_unit("rmsprop", "momentum", momentum)
+    check_positive("rmsprop", "eps", eps)
+    _check_decay("rmsprop", weight_decay)
+
+    def init(params: Flat) -> RMSPropState:
+        return RMSPropState(zeros_like(params), zeros_like(params))
+
+    def update(grad: Flat, state: RMSPropState, params: Flat, ctx: Context) -> tuple[Flat, RMSPropState]:
+        if weight_decay:
+            grad = grad + weight_decay * params
+        ms = state.ms * decay + (1 - decay) * grad * grad
+        mom = state.mom * momentum + warmup_lr(lr, warmup, ctx.step) * grad / torch.sqrt(ms + eps)
+        return -mom, RMSPropState(ms, mom)
+
+    return Rule(init, update)
+
+
+class AdamState(NamedTuple):
+    """First and second moments and the number of updates taken."""
+
+    m: torch.Tensor
+    u: torch.Tensor
+    count: int
+
+
+def adam(
+    lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+    warmup: int = 0,
+) -> Rule:
+    """Adam (Kingma & Ba): m <- b1 m + (1-b1) g; u <- b2 u + (1-b2) g^2; delta = -eta m_hat / (sqrt(u_hat) + eps)."""
+    check_lr("adam", lr)
+    check_unit("adam", "beta1", beta1)
+    check_unit("adam", "beta2", beta2)
+    check_positive("adam", "eps", eps)
+    _check_decay("adam", weight_decay)
+
+    def init(params: Flat) -> AdamState:
+        return AdamState(zeros_like(params), zeros_like(params), 0)
+
+    def update(grad: Flat, state: AdamState, params: Flat, ctx: Context) -> tuple[Flat, AdamState]:
+        if weight_decay:
+            grad = grad + weight_decay * params
+        count = state.count + 1
+        m = state.m * beta1 + (1 - beta1) * grad
+        u = state.u * beta2 + (1 - beta2) * grad * grad
+        m_hat = m / (1 - beta1**count)
+        u_hat = u / (1 - beta2**count)
+        delta = m_hat / (torch.sqrt(u_hat) + eps) * -warmup_lr(lr, warmup, ctx.step)
+        return delta, AdamState(m, u, count)
+
+    return Rule(init, update)

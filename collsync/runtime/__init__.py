@@ -1,0 +1,48 @@
+"""Transports. The interfaces here import no MPI; each runtime module imports its transport lazily.
+
+A `Mailbox` connects workers to a parameter server (simulator, MPI one-sided windows); a `Collective` averages
+across all ranks (MPI collectives, Horovod). Runtimes move tensors and nothing else: what a tensor means is decided
+by `collsync.loops`, `collsync.server` and `collsync.rules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from collsync.types import Arrival, Flat, Stamp
+
+
+class Mailbox(Protocol):
+    """Worker side: `read` and `send`; server side: `recv`, `publish` and `close`."""
+
+    def read(self, out: Flat, ready: Callable[[Stamp], bool]) -> Stamp:
+        """Block until the published stamp satisfies `ready`, then copy the published parameters into `out`."""
+        ...
+
+    def send(self, arrival: Arrival) -> None:
+        """Hand a gradient to the server (returns once the buffer may be reused)."""
+        ...
+
+    def recv(self, timeout: float | None = None) -> Arrival | None:
+        """The next gradient, or None if none came within `timeout` seconds."""
+        ...
+
+    def publish(self, params: Flat, stamp: Stamp) -> None:
+        """Make `params` at `stamp` what the next `read` returns (never a torn mix of two versions)."""
+        ...
+
+    def close(self) -> list[Arrival]:
+        """After the final (done) publish: wait for every worker to stop; return gradients still in flight."""
+        ...
+
+
+class Collective(Protocol):
+    """All-rank averaging for the serverless full-sync path."""
+
+    rank: int
+    size: int
+
+    def allreduce_mean(self, flat: Flat) -> Flat: ...
+
+    def broadcast(self, flat: Flat, root: int = 0) -> Flat: ...

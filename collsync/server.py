@@ -1,0 +1,207 @@
+"""The parameter server: the only place the parameters change.
+
+`Server.accept(arrival)` applies the policy (rounds or stream, quorum, drops), the per-gradient penalty and the
+optimizer:
+
+    g'_i  = penalty(g_i, ctx_i)                 ctx_i.staleness = version - a_i.version        (per arrival)
+    g_bar = (1/Q) sum_i g'_i                    Q = quorum, summed in worker order             (per update)
+    theta <- theta + optimizer(g_bar);  version <- version + 1;  theta_ema <- a theta_ema + (1 - a) theta
+
+Summing in worker order (not arrival order) makes an update independent of message timing, so a simulated run and
+an MPI run of the same config agree bit for bit where the arrivals agree.
+"""
+
+from __future__ import annotations
+
+from collsync.policy import SyncPolicy
+from collsync.rules.base import Rule, identity
+from collsync.trace import Trace
+from collsync.types import Arrival, Context, Flat, Stamp
+
+
+class Server:
+    """Holds theta, the rule states and the round buffers of one parameter shard (or of the whole model)."""
+
+    def __init__(
+        self,
+        params: Flat,
+        optimizer: Rule,
+        policy: SyncPolicy,
+        workers: int,
+        *,
+        penalty: Rule | None = None,
+        steps: int | None = None,
+        ema_decay: float | None = None,
+        trace: Trace | None = None,
+    ) -> None:
+        policy.check(workers)
+        if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"server: {ema_decay=} must be in [0, 1)")
+        self.params = params.detach().clone()
+        self.optimizer = optimizer
+        self.penalty = penalty or identity()
+        self.policy = policy
+        self.workers = workers
+        self.quorum = policy.quorum_for(workers)
+        self.steps = steps
+        self.ema_decay = ema_decay
+        self.ema = self.params.clone() if ema_decay is not None else None
+        self.trace = trace
+        self.version = 0
+        self.opt_state = optimizer.init(self.params)
+        self.pen_state = self.penalty.init(self.params)
+        self.needs_read = optimizer.needs_read or self.penalty.needs_read
+        self.pending: dict[int, list[Arrival]] = {}
+        self.applied = 0
+        self.dropped = 0
+        self._view: Flat | None = None
+        # Versions some worker may still send a gradient for, with the view it read (Gap-Aware's theta_{k-tau}).
+        self._history: dict[int, Flat] = {}
+        self._oldest = [0] * workers
+        if self.needs_read:
+            self._history[0] = self.view()
+
+    @property
+    def done(self) -> bool:
+        return self.steps is not None and self.version >= self.steps
+
+    def stamp(self) -> Stamp:
+        return Stamp(self.version, self.done)
+
+    def view(self) -> Flat:
+        """The parameters workers read: theta itself, or a rule's look-ahead (DANA)."""
+        if self._view is None:
+            self._view = self.optimizer.view(self.penalty.view(self.params, self.pen_state), self.opt_state)
+        return self._view
+
+    def accept(self, arrival: Arrival) -> bool:
+        """Take one gradient; apply every update it completes. False if it was dropped."""
+        if not 0 <= arrival.worker < self.workers:
+            raise ValueError(f"server: arrival from worker {arrival.worker} outside 0..{self.workers - 1}")
+        self._note(
+            "push",
+            worker=arrival.worker,
+            clock=arrival.clock,
+            version=arrival.version,
+            staleness=self.version - arrival.version,
+        )
+        if self.done or (self.policy.rounds and arrival.clock < self.version):
+            self._drop(arrival, "finished" if self.done else "late")
+            return False
+        key = arrival.clock if self.policy.rounds else -1
+        self.pending.setdefault(key, []).append(arrival)
+        self._advance()
+        return True
+
+    def flush(self) -> bool:
+        """Apply what has arrived for the current update although fewer than `quorum` came (a timeout fired)."""
+        key = self.version if self.policy.rounds else -1
+        batch = self.pending.pop(key, [])
+        if not batch or self.done:
+            self.pending.update({key: batch} if batch else {})
+            return False
+        self._apply(batch)
+        self._advance()
+        return True
+
+    def drain(self) -> None:
+        """At shutdown: every gradient still buffered is dropped, so each push ends applied or dropped once."""
+        for batch in self.pending.values():
+            for arrival in batch:
+                self._drop(arrival, "finished")
+        self.pending.clear()
+
+    def _advance(self) -> None:
+        key = (lambda: self.version) if self.policy.rounds else (lambda: -1)
+        while not self.done and len(self.pending.get(key(), ())) >= self.quorum:
+            batch = self.pending.pop(key())
+            self._apply(batch[: self.quorum])
+            if batch[self.quorum :]:
+                self.pending[key()] = batch[self.quorum :]
+
+    def _drop(self, arrival: Arrival, reason: str) -> None:
+        self.dropped += 1
+        self._note(
+            "drop",
+            worker=arrival.worker,
+            clock=arrival.clock,
+            version=arrival.version,
+            server=self.version,
+            reason=reason,
+        )
+
+    def _apply(self, batch: list[Arrival]) -> None:
+        batch = sorted(batch, key=lambda a: (a.worker, a.clock))
+        total: Flat | None = None
+        for a in batch:
+            ctx = Context(
+                step=self.version,
+                worker=a.worker,
+                staleness=self.version - a.version,
+                workers=self.workers,
+                read=self._history.get(a.version) if self.needs_read else None,
+                aggregated=len(batch),
+            )
+            g, self.pen_state = self.penalty.update(a.grad, self.pen_state, self.params, ctx)
+            total = g.clone() if total is None else total.add_(g)
+        assert total is not None  # a batch is never empty: _advance and flush check
+        self._step(total.div_(len(batch)), batch)
+
+    def apply_mean(self, mean: Flat, batch: list[Arrival]) -> None:
+        """Apply an already averaged gradient (serverless allreduce: every rank's replica does this)."""
+        for a in batch:
+            self._note("push", worker=a.worker, clock=a.clock, version=a.version, staleness=self.version - a.version)
+        self._step(mean, sorted(batch, key=lambda a: (a.worker, a.clock)))
+
+    def _step(self, mean: Flat, batch: list[Arrival]) -> None:
+        first = batch[0]
+        ctx = Context(
+            step=self.version,
+            worker=first.worker if len(batch) == 1 else -1,
+            staleness=max(self.version - a.version for a in batch),
+            workers=self.workers,
+            read=self._history.get(first.version) if self.needs_read and len(batch) == 1 else None,
+            aggregated=len(batch),
+        )
+        delta, self.opt_state = self.optimizer.update(mean, self.opt_state, self.params, ctx)
+        self.params.add_(delta)
+        staleness = [self.version - a.version for a in batch]
+        self.version += 1
+        self.applied += len(batch)
+        self._view = None
+        if self.ema is not None:
+            self.ema.mul_(self.ema_decay).add_(self.params, alpha=1.0 - self.ema_decay)
+        if self.needs_read:
+            self._remember(batch)
+        self._note(
+            "apply",
+            version=self.version,
+            workers=[a.worker for a in batch],
+            clocks=[a.clock for a in batch],
+            staleness=staleness,
+        )
+
+    def _remember(self, batch: list[Arrival]) -> None:
+        # A worker's next gradient is computed on a version no older than its last one, so versions older than
+        # every worker's last known one can be forgotten.
+        for a in batch:
+            self._oldest[a.worker] = max(self._oldest[a.worker], a.version)
+        self._history[self.version] = self.view().clone()
+        floor = min(self._oldest)
+        for v in [v for v in self._history if v < floor]:
+            del self._history[v]
+
+    def _note(self, ev: str, **fields: object) -> None:
+        if self.trace is not None:
+            self.trace.record(ev, **fields)
+
+
+def replay(
+    params: Flat, optimizer: Rule, policy: SyncPolicy, workers: int, arrivals: list[Arrival], **kwargs: object
+) -> Server:
+    """A fresh server fed `arrivals` in order: what a trace's accepted gradients do to the parameters."""
+    server = Server(params, optimizer, policy, workers, **kwargs)  # type: ignore[arg-type]
+    for a in arrivals:
+        server.accept(a)
+    return server
+

@@ -1,0 +1,52 @@
+"""The event trace every runtime writes in one format (JSONL), read by `metrics` and checked by `checks`.
+
+Events (all carry `t`, seconds of simulated or wall time, and `ev`):
+
+* `start`  worker began a gradient: worker, clock, version (the parameters it read)
+* `push`   the server received a gradient: worker, clock, version
+* `drop`   the server discarded a gradient: worker, clock, version, server (its version then), reason
+* `apply`  the server changed the parameters: version (after), workers, clocks, staleness (one per gradient)
+* `eval`   test accuracy of theta (`acc`) and of its EMA (`ema_acc`), `loss`, at server `version`
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+Event = dict[str, Any]
+
+
+class Trace:
+    """An append-only list of events stamped by a clock (simulated time in the simulator, wall time for real)."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        start = time.perf_counter()
+        self.clock: Callable[[], float] = clock or (lambda: time.perf_counter() - start)
+        self.events: list[Event] = []
+
+    def record(self, ev: str, **fields: Any) -> Event:
+        event = {"t": self.clock(), "ev": ev, **fields}
+        self.events.append(event)
+        return event
+
+    def extend(self, events: Iterable[Event]) -> None:
+        self.events.extend(events)
+
+    def of(self, ev: str) -> list[Event]:
+        return [e for e in self.events if e["ev"] == ev]
+
+    def write_jsonl(self, path: str | Path) -> None:
+        with open(path, "w") as f:
+            for e in self.events:
+                f.write(json.dumps(e) + "\n")
+
+    @classmethod
+    def read_jsonl(cls, path: str | Path) -> Trace:
+        trace = cls()
+        with open(path) as f:
+            trace.events = [json.loads(line) for line in f if line.strip()]
+        return trace
