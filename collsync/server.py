@@ -204,4 +204,3 @@ def replay(
     for a in arrivals:
         server.accept(a)
     return server
-

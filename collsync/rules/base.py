@@ -7,7 +7,8 @@ parameters; `collsync.server.Server.accept` is the only place parameters change.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

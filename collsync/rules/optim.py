@@ -91,7 +91,11 @@ class RMSPropState(NamedTuple):
 
 
 def rmsprop(
-    lr: float = 0.01, decay: float = 0.9, momentum: float = 0.9, eps: float = 1.0, weight_decay: float = 0.0,
+    lr: float = 0.01,
+    decay: float = 0.9,
+    momentum: float = 0.9,
+    eps: float = 1.0,
+    weight_decay: float = 0.0,
     warmup: int = 0,
 ) -> Rule:
     """RMSProp with momentum as used by 000_... App. A (decay 0.9, momentum 0.9), in TensorFlow's form:
@@ -127,7 +131,11 @@ class AdamState(NamedTuple):
 
 
 def adam(
-    lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+    lr: float = 0.001,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
     warmup: int = 0,
 ) -> Rule:
     """Adam (Kingma & Ba): m <- b1 m + (1-b1) g; u <- b2 u + (1-b2) g^2; delta = -eta m_hat / (sqrt(u_hat) + eps)."""

@@ -1,0 +1,73 @@
+"""Invariants every runtime's trace must satisfy, checked the same way for the simulator and for MPI runs."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from collsync.policy import SyncPolicy
+from collsync.trace import Event, Trace
+
+
+class TraceError(AssertionError):
+    """A trace broke an invariant; the message lists every violation found."""
+
+
+def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int) -> dict[str, int]:
+    """Check a run's trace against its policy; return counts (pushed, applied, dropped, updates).
+
+    * updates are numbered 1, 2, 3, ... and time never goes backwards;
+    * every pushed gradient is applied exactly once or dropped exactly once;
+    * rounds: an update aggregates only gradients of its own round, each worker at most once, exactly `quorum` of
+      them (fewer only where a timeout flushed); a worker starts round c only on version >= c - max_lead;
+    * staleness is never negative.
+    """
+    events = trace.events if isinstance(trace, Trace) else list(trace)
+    errors: list[str] = []
+    quorum = policy.quorum_for(workers)
+    pushed: Counter[tuple[int, int, int]] = Counter()
+    settled: Counter[tuple[int, int, int]] = Counter()
+    last_t, updates = float("-inf"), 0
+    for e in events:
+        if e["t"] < last_t:
+            errors.append(f"time goes backwards at {e}")
+        last_t = e["t"]
+        ev = e["ev"]
+        if ev == "push":
+            pushed[(e["worker"], e["clock"], e["version"])] += 1
+        elif ev == "drop":
+            settled[(e["worker"], e["clock"], e["version"])] += 1
+        elif ev == "start" and policy.rounds and e["clock"] - e["version"] > (policy.max_lead or 0):
+            errors.append(f"worker {e['worker']} started round {e['clock']} on version {e['version']}: lead too large")
+        elif ev == "apply":
+            updates += 1
+            if e["version"] != updates:
+                errors.append(f"update {updates} recorded as version {e['version']}")
+            round_ = e["version"] - 1
+            for w, c, s in zip(e["workers"], e["clocks"], e["staleness"], strict=True):
+                settled[(w, c, round_ - s)] += 1
+                if s < 0:
+                    errors.append(f"negative staleness {s} for worker {w} at version {e['version']}")
+            if policy.rounds:
+                if any(c != round_ for c in e["clocks"]):
+                    errors.append(f"round {round_} aggregated gradients of rounds {e['clocks']}")
+                if len(set(e["workers"])) != len(e["workers"]):
+                    errors.append(f"round {round_} took a worker twice: {e['workers']}")
+            count = len(e["workers"])
+            if count > quorum or (count < quorum and policy.timeout is None):
+                errors.append(f"update {e['version']} aggregated {count} gradients, quorum is {quorum}")
+    for key in pushed.keys() | settled.keys():
+        if pushed[key] != settled[key]:
+            w, c, v = key
+            errors.append(
+                f"gradient of worker {w} (round {c}, version {v}) pushed {pushed[key]}x, settled {settled[key]}x"
+            )
+    if errors:
+        shown = "\n  ".join(errors[:20])
+        raise TraceError(f"{len(errors)} trace invariant violation(s):\n  {shown}")
+    return {
+        "pushed": sum(pushed.values()),
+        "applied": sum(len(e["workers"]) for e in events if e["ev"] == "apply"),
+        "dropped": sum(1 for e in events if e["ev"] == "drop"),
+        "updates": updates,
+    }

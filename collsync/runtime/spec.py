@@ -1,0 +1,59 @@
+"""Runtime choices as Hydra targets: which transport runs the workers, and how many of them.
+
+`conf/runtime/<name>.yaml` instantiates one of these; `collsync.train` dispatches on `RuntimeSpec.kind`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Environment variables through which launchers announce the world size: MPICH's Hydra and `srun --mpi=pmi2` (PMI),
+# Open MPI's mpirun.
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """`kind`: sim | mpi | allreduce; `workers`: simulated workers (sim only); `servers`: server ranks (mpi)."""
+
+    kind: str
+    workers: int = 8
+    servers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("sim", "mpi", "allreduce"):
+            raise ValueError(f"runtime: kind={self.kind!r} must be one of sim, mpi, allreduce")
+        if self.workers < 1:
+            raise ValueError(f"runtime: workers={self.workers} must be >= 1")
+        if self.servers != 1:
+            raise ValueError(f"runtime: servers={self.servers}: this release runs one server shard (servers=1)")
+
+
+def launched_under_mpi() -> bool:
+    """True when a launcher started this process as one of several ranks (read from the environment only)."""
+    for var in _SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            return True
+    return False
+
+
+def sim(workers: int = 8) -> RuntimeSpec:
+    """The deterministic simulator with `workers` simulated workers."""
+    return RuntimeSpec("sim", workers=workers)
+
+
+def mpi(servers: int = 1) -> RuntimeSpec:
+    """Parameter server on MPI one-sided windows: ranks 0..servers-1 serve, the rest are workers."""
+    return RuntimeSpec("mpi", servers=servers)
+
+
+def allreduce() -> RuntimeSpec:
+    """Serverless full sync over MPI collectives: every rank is a worker (BSP only)."""
+    return RuntimeSpec("allreduce")
+
+
+def auto(workers: int = 8, servers: int = 1) -> RuntimeSpec:
+    """MPI when launched as several ranks (mpiexec, srun), else the simulator with `workers` workers."""
+    return mpi(servers) if launched_under_mpi() else sim(workers)
