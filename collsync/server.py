@@ -59,7 +59,7 @@ class Server:
         self._history: dict[int, Flat] = {}
         self._oldest = [0] * workers
         if self.needs_read:
-            self._history[0] = self.view()
+            self._history[0] = self.view().clone()
 
     @property
     def done(self) -> bool:
