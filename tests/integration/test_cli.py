@@ -1,0 +1,61 @@
+"""`collsync-train` as a user runs it: a subprocess per run, reading the run folder it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TRAIN = [sys.executable, "-c", "from collsync.cli import train; train()"]
+FAST = ["steps=40", "eval_every=20", "runtime.workers=4", "progress=false"]
+
+
+def run_train(tmp_path: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess[str]:
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    args = [*TRAIN, *(["-m"] if multirun else []), f"{key}={tmp_path / 'run'}", *overrides]
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+def test_default_run_writes_its_folder(tmp_path):
+    proc = run_train(tmp_path, *FAST)
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "run"
+    for name in ("trace.jsonl", "metrics.csv", "summary.json", "params.pt", ".hydra/config.yaml"):
+        assert (run / name).is_file(), name
+    assert list(run.glob("*.png")), "no plots written"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trace_checks"]["updates"] == 40
+    assert summary["trace_checks"]["pushed"] == summary["trace_checks"]["applied"] + summary["trace_checks"]["dropped"]
+    assert "acc" in proc.stdout.lower()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["sync.backups=4"], "backups=4"),
+        (["optimizer.lr=-0.1"], "lr=-0.1"),
+        (["sync=async", "sync.quorum=9"], "quorum=9"),
+        (["runtime=allreduce", "sync=async"], "runtime=allreduce"),
+        (["steps=0"], "steps=0"),
+        (["no_such_key=1"], "no_such_key"),
+        (["data=npz", "data.path=/nonexistent/file.npz"], "/nonexistent/file.npz"),
+    ],
+)
+def test_bad_input_fails_before_training_with_one_clear_line(tmp_path, overrides, needle):
+    proc = run_train(tmp_path, *FAST, *overrides)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "trace.jsonl").exists()
+
+
+def test_multirun_sweeps_locally(tmp_path):
+    proc = run_train(tmp_path, *FAST, "sync=bsp,async", multirun=True)
+    assert proc.returncode == 0, proc.stderr
+    summaries = sorted((tmp_path / "run").glob("*/summary.json"))
+    assert len(summaries) == 2
