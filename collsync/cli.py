@@ -72,3 +72,7 @@ def report() -> None:
     from collsync.metrics import report_main
 
     sys.exit(report_main())
+
+
+if __name__ == "__main__":
+    train()
