@@ -1,0 +1,313 @@
+"""Metrics, figures and `collsync-report` on small hand-written traces with known times."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from collsync import plots
+from collsync.checks import check_trace
+from collsync.metrics import (
+    format_summary,
+    gap_vs_delay,
+    has_rounds,
+    kth_cdf,
+    kth_gradient_times,
+    metrics_rows,
+    report_main,
+    run_labels,
+    run_names,
+    staleness_histogram,
+    staleness_per_worker,
+    summary,
+    write_csv,
+    write_report,
+)
+from collsync.policy import asynchronous, backup, ssp
+from collsync.trace import Trace
+
+
+def build(*events: tuple) -> Trace:
+    """A trace from (t, ev, fields) tuples."""
+    trace = Trace(clock=lambda: 0.0)
+    trace.extend({"t": t, "ev": ev, **fields} for t, ev, fields in events)
+    return trace
+
+
+def start(w: int, c: int, v: int) -> dict:
+    return {"worker": w, "clock": c, "version": v}
+
+
+push = start
+
+
+def apply(v: int, workers: list[int], clocks: list[int], staleness: list[int], **extra: object) -> dict:
+    return {"version": v, "workers": workers, "clocks": clocks, "staleness": staleness, **extra}
+
+
+def drop(w: int, c: int, v: int, server: int, reason: str) -> dict:
+    return {"worker": w, "clock": c, "version": v, "server": server, "reason": reason}
+
+
+def evaluation(v: int, acc: float, ema_acc: float, loss: float, **extra: float) -> dict:
+    return {"version": v, "acc": acc, "ema_acc": ema_acc, "loss": loss, **extra}
+
+
+@pytest.fixture
+def backup_trace() -> Trace:
+    """3 workers, 1 backup (quorum 2), 2 updates. Worker 2 is late for round 0; worker 0's round-1 gradient lands
+    after training ended."""
+    return build(
+        (0.0, "start", start(0, 0, 0)),
+        (0.0, "start", start(1, 0, 0)),
+        (0.0, "start", start(2, 0, 0)),
+        (0.0, "eval", evaluation(0, 0.1, 0.1, 2.3)),
+        (1.0, "push", push(1, 0, 0)),
+        (1.5, "push", push(0, 0, 0)),
+        (1.5, "apply", apply(1, [0, 1], [0, 0], [0, 0])),
+        (1.5, "eval", evaluation(1, 0.6, 0.5, 1.0)),
+        (1.5, "start", start(0, 1, 1)),
+        (1.5, "start", start(1, 1, 1)),
+        (2.5, "push", push(2, 0, 0)),
+        (2.5, "drop", drop(2, 0, 0, 1, "late")),
+        (2.5, "start", start(2, 1, 1)),
+        (3.0, "push", push(1, 1, 1)),
+        (3.5, "push", push(2, 1, 1)),
+        (3.5, "apply", apply(2, [1, 2], [1, 1], [0, 0])),
+        (3.5, "eval", evaluation(2, 0.9, 0.8, 0.5)),
+        (3.5, "push", push(0, 1, 1)),
+        (3.5, "drop", drop(0, 1, 1, 2, "finished")),
+    )
+
+
+@pytest.fixture
+def async_trace() -> Trace:
+    """3 asynchronous workers (quorum 1), 4 updates with Gap-Aware's `gap` per gradient."""
+    return build(
+        (0.0, "start", start(0, 0, 0)),
+        (0.0, "start", start(1, 0, 0)),
+        (0.0, "start", start(2, 0, 0)),
+        (1.0, "push", push(0, 0, 0)),
+        (1.0, "apply", apply(1, [0], [0], [0], gap=[1.0])),
+        (1.0, "start", start(0, 1, 1)),
+        (2.0, "push", push(1, 0, 0)),
+        (2.0, "apply", apply(2, [1], [0], [1], gap=[1.5])),
+        (2.0, "eval", evaluation(2, 0.4, 0.3, 1.2, ema_loss=1.4)),
+        (2.0, "start", start(1, 2, 2)),
+        (2.5, "push", push(0, 1, 1)),
+        (2.5, "apply", apply(3, [0], [1], [1], gap=[1.25])),
+        (2.5, "start", start(0, 3, 3)),
+        (3.0, "push", push(2, 0, 0)),
+        (3.0, "apply", apply(4, [2], [0], [3], gap=[2.0])),
+        (3.0, "eval", evaluation(4, 0.7, 0.6, 0.8, ema_loss=0.9)),
+        (3.0, "push", push(1, 2, 2)),
+        (3.0, "drop", drop(1, 2, 2, 4, "finished")),
+        (3.0, "push", push(0, 3, 3)),
+        (3.0, "drop", drop(0, 3, 3, 4, "finished")),
+    )
+
+
+def test_hand_traces_are_valid_runs(backup_trace, async_trace):
+    assert check_trace(backup_trace, backup(1), 3) == {"pushed": 6, "applied": 4, "dropped": 2, "updates": 2}
+    assert check_trace(async_trace, asynchronous(), 3) == {"pushed": 6, "applied": 4, "dropped": 2, "updates": 4}
+
+
+def test_summary_counts_and_time_to_accuracy(backup_trace):
+    s = summary(backup_trace, thresholds=(0.5, 0.9, 0.95))
+    assert s["final_acc"] == 0.9 and s["final_ema_acc"] == 0.8 and s["final_loss"] == 0.5
+    assert s["best_acc"] == 0.9 and s["best_ema_acc"] == 0.8 and s["evals"] == 3
+    assert s["time_s"] == 3.5 and s["updates"] == 2 and s["updates_per_s"] == pytest.approx(2 / 3.5)
+    assert (s["pushed"], s["applied"], s["dropped"], s["workers"]) == (6, 4, 2, 3)
+    assert s["dropped_by_reason"] == {"late": 1, "finished": 1}
+    assert s["staleness_mean"] == 0.0 and s["staleness_max"] == 0 and s["gap_mean"] is None
+    assert s["time_to_acc"] == {0.5: 1.5, 0.9: 3.5, 0.95: None}
+    assert s["time_to_ema_acc"] == {0.5: 1.5, 0.9: None, 0.95: None}
+
+
+def test_summary_of_empty_trace_and_format():
+    s = summary(Trace())
+    assert s["final_acc"] is None and s["updates"] == 0 and s["updates_per_s"] is None
+    assert "accuracy" in format_summary(s)
+
+
+def test_format_summary_reads_json_round_trip(async_trace):
+    text = format_summary(json.loads(json.dumps(summary(async_trace, thresholds=(0.5, 0.8)))))
+    lines = text.splitlines()
+    assert len(lines) == 5
+    assert "dropped 2 (finished 2)" in lines[2]
+    assert "mean 1.250  max 3  gap mean 1.438" in lines[3]
+    assert lines[4] == "time to acc  0.5: 3.00 s  0.8: never"
+
+
+def test_staleness_histogram_and_per_worker(async_trace):
+    assert staleness_histogram(async_trace) == {0: 1, 1: 2, 3: 1}
+    assert list(staleness_histogram(async_trace)) == [0, 1, 3]
+    assert staleness_per_worker(async_trace) == {0: [0, 1], 1: [1], 2: [3]}
+    s = summary(async_trace)
+    assert s["staleness_mean"] == 1.25 and s["staleness_max"] == 3 and s["gap_mean"] == pytest.approx(1.4375)
+
+
+def test_kth_gradient_times_per_round(backup_trace):
+    assert has_rounds(backup_trace)
+    # round 0 starts at 0.0: pushes at 1.0, 1.5 and 2.5 (late, dropped, still counted);
+    # round 1 starts at the first apply (1.5): pushes at 3.0 and 3.5; worker 0's came after the end (left out).
+    assert kth_gradient_times(backup_trace) == [[1.0, 1.5, 2.5], [1.5, 2.0]]
+    times = kth_gradient_times(backup_trace)
+    assert kth_cdf(times, 1) == ([1.0, 1.5], [0.5, 1.0])
+    assert kth_cdf(times, 2) == ([1.5, 2.0], [0.5, 1.0])
+    assert kth_cdf(times, 3) == ([2.5], [0.5])  # only one round ever got a third gradient
+    assert kth_cdf(times, 4) == ([], [])
+    with pytest.raises(ValueError, match="k=0"):
+        kth_cdf(times, 0)
+
+
+def test_kth_gradient_times_ssp_gradient_before_its_round():
+    trace = build(
+        (0.0, "start", start(0, 0, 0)),
+        (0.0, "start", start(1, 0, 0)),
+        (1.0, "push", push(0, 0, 0)),
+        (1.0, "start", start(0, 1, 0)),
+        (2.0, "push", push(0, 1, 0)),  # round 1 starts only at t = 3
+        (3.0, "push", push(1, 0, 0)),
+        (3.0, "apply", apply(1, [0, 1], [0, 0], [0, 0])),
+        (3.0, "start", start(1, 1, 1)),
+        (4.0, "push", push(1, 1, 1)),
+        (4.0, "apply", apply(2, [0, 1], [1, 1], [1, 0])),
+    )
+    check_trace(trace, ssp(1), 2)
+    assert kth_gradient_times(trace) == [[1.0, 3.0], [0.0, 1.0]]
+
+
+def test_stream_trace_has_no_rounds(async_trace):
+    assert not has_rounds(async_trace)
+    assert kth_gradient_times(async_trace) == []
+
+
+def test_gap_vs_delay_buckets(async_trace, backup_trace):
+    assert gap_vs_delay(async_trace, buckets=2) == [
+        {"first_version": 1, "last_version": 2, "gradients": 2, "gap": 1.25, "delay": 0.5},
+        {"first_version": 3, "last_version": 4, "gradients": 2, "gap": 1.625, "delay": 2.0},
+    ]
+    assert [r["gap"] for r in gap_vs_delay(async_trace)] == [1.0, 1.5, 1.25, 2.0]  # 20 buckets, 4 versions
+    assert gap_vs_delay(backup_trace) == []
+
+
+def test_metrics_rows_and_csv(backup_trace, async_trace, tmp_path):
+    rows = metrics_rows(backup_trace)
+    assert [(r["t"], r["version"], r["applied"], r["dropped"], r["mean_staleness"]) for r in rows] == [
+        (0.0, 0, 0, 0, None),
+        (1.5, 1, 2, 0, 0.0),
+        (3.5, 2, 4, 1, 0.0),
+    ]
+    path = write_csv(rows, tmp_path / "m.csv")
+    with open(path, newline="") as f:
+        back = list(csv.DictReader(f))
+    assert list(back[0]) == ["t", "version", "acc", "ema_acc", "loss", "applied", "dropped", "mean_staleness"]
+    assert back[0] == {
+        "t": "0.0",
+        "version": "0",
+        "acc": "0.1",
+        "ema_acc": "0.1",
+        "loss": "2.3",
+        "applied": "0",
+        "dropped": "0",
+        "mean_staleness": "",
+    }
+    assert back[2]["acc"] == "0.9" and back[2]["dropped"] == "1"
+    extra = metrics_rows(async_trace)
+    assert [(r["ema_loss"], r["mean_gap"], r["mean_staleness"]) for r in extra] == [
+        (1.4, 1.25, 0.5),
+        (0.9, 1.4375, 1.25),
+    ]
+
+
+def _decodes(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 0
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_write_report_files(backup_trace, async_trace, tmp_path):
+    paths = write_report(backup_trace, tmp_path / "b")
+    assert sorted(paths) == [
+        "accuracy_vs_steps",
+        "accuracy_vs_time",
+        "kth_gradient_cdf",
+        "metrics",
+        "staleness_hist",
+        "summary",
+    ]
+    for key in ("accuracy_vs_steps", "accuracy_vs_time", "kth_gradient_cdf", "staleness_hist"):
+        _decodes(paths[key])
+    assert json.loads(paths["summary"].read_text())["time_to_acc"]["0.9"] == 3.5
+    paths = write_report(async_trace, tmp_path / "a", extra={"note": "x"})
+    assert "gap_vs_delay" in paths and "kth_gradient_cdf" not in paths
+    _decodes(paths["gap_vs_delay"])
+    assert json.loads(paths["summary"].read_text())["note"] == "x"
+
+
+def test_plots_accept_rows_and_empty_traces(backup_trace, tmp_path):
+    _decodes(plots.plot_accuracy(metrics_rows(backup_trace), tmp_path / "rows.png", x="steps"))
+    _decodes(plots.plot_kth_cdf(backup_trace, tmp_path / "k.png", ks=[1, 3]))
+    for plot in (plots.plot_accuracy, plots.plot_staleness, plots.plot_kth_cdf, plots.plot_gap_vs_delay):
+        _decodes(plot(Trace(), tmp_path / f"empty_{plot.__name__}.png"))
+    with pytest.raises(ValueError, match="x='epochs'"):
+        plots.plot_accuracy(backup_trace, tmp_path / "bad.png", x="epochs")
+    assert plots.default_ks([[1.0, 2.0, 3.0, 4.0, 5.0]], quorum=3) == [1, 3, 4, 5]
+
+
+def _run_dir(path: Path, trace: Trace) -> Path:
+    path.mkdir(parents=True)
+    trace.write_jsonl(path / "trace.jsonl")
+    return path
+
+
+def test_report_cli_one_run_keeps_trainer_keys(backup_trace, tmp_path, capsys):
+    run = _run_dir(tmp_path / "run", backup_trace)
+    (run / "summary.json").write_text(json.dumps({"final_acc": 0.0, "trace_checks": {"pushed": 6}}))
+    assert report_main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "== run" in out and "pushed 6  applied 4  dropped 2" in out
+    written = json.loads((run / "summary.json").read_text())
+    assert written["final_acc"] == 0.9 and written["trace_checks"] == {"pushed": 6}
+    for name in ("metrics.csv", "accuracy_vs_time.png", "kth_gradient_cdf.png"):
+        assert (run / name).stat().st_size > 0
+
+
+def test_report_cli_compares_runs(backup_trace, async_trace, tmp_path, capsys):
+    a = _run_dir(tmp_path / "sweep" / "0", backup_trace)
+    (a / ".hydra").mkdir()
+    (a / ".hydra" / "overrides.yaml").write_text("- sync=backup\n- seed=1\n")
+    b = _run_dir(tmp_path / "sweep" / "async", async_trace)
+    assert run_labels([a, b]) == ["0: sync=backup seed=1", "async"]
+    out = tmp_path / "out"
+    assert report_main([str(a), str(b), "--out", str(out)]) == 0
+    for x in ("time", "steps"):
+        _decodes(out / f"compare_accuracy_vs_{x}.png")
+    assert (out / "0" / "summary.json").is_file() and (out / "async" / "gap_vs_delay.png").is_file()
+    assert not (a / "summary.json").exists()  # --out leaves the run folders alone
+    assert capsys.readouterr().out.count("accuracy     theta") == 2
+    assert report_main([str(a), str(b)]) == 0  # in place; comparison in the common parent
+    assert (tmp_path / "sweep" / "compare_accuracy_vs_time.png").is_file() and (b / "metrics.csv").is_file()
+
+
+def test_run_names_disambiguate(tmp_path):
+    assert run_names([tmp_path / "x" / "0", tmp_path / "y" / "0", tmp_path / "z"]) == ["x_0", "y_0", "z"]
+
+
+def test_report_cli_missing_trace(backup_trace, tmp_path, capsys):
+    good = _run_dir(tmp_path / "good", backup_trace)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report_main([str(good), str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"collsync-report: error: no trace.jsonl in {empty}\n"
+    assert not (good / "summary.json").exists()  # checked before anything is written
+    (empty / "trace.jsonl").write_text("{not json\n")
+    assert report_main([str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("collsync-report: error:") and str(empty / "trace.jsonl") in err and "\n" not in err
