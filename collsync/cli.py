@@ -1,4 +1,4 @@
-"""Command-line entry points: `collsync-train` (Hydra) and `collsync-report`.
+"""The `collsync-train` entry point (Hydra); `collsync-report` lives in `collsync.metrics.report_main`.
 
 Errors in the user's input end the run with one line on stderr and exit status 2; under MPI the line names the
 rank and the whole world is aborted rather than left hanging.
@@ -65,13 +65,6 @@ def train() -> None:
     """`collsync-train [overrides...]`: see `collsync-train --help` and `conf/`."""
     _shared_run_dir()
     _train()
-
-
-def report() -> None:
-    """`collsync-report RUN_DIR [RUN_DIR ...]`: re-render a run's summary and plots, or compare runs."""
-    from collsync.metrics import report_main
-
-    sys.exit(report_main())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ one line naming the key, not an hour into a job.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,10 +196,8 @@ def _finish(cfg: DictConfig, parts: Parts, server: Server, trace: Trace, out_dir
         {"params": server.params, "ema": server.ema, "version": server.version, "config": OmegaConf.to_container(cfg)},
         out_dir / "params.pt",
     )
-    write_report(trace, out_dir)
-    result = summary(trace)
-    result["trace_checks"] = counts
-    (out_dir / "summary.json").write_text(json.dumps(result, indent=2, default=str))
+    write_report(trace, out_dir, extra={"trace_checks": counts})
+    result = {**summary(trace), "trace_checks": counts}
     print(format_summary(result))
     print(f"run folder: {out_dir}")
     return result
