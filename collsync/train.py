@@ -82,9 +82,10 @@ class Evaluator:
             self.progress.set_postfix(acc=f"{acc:.3f}")
 
 
-def _check_fit(parts: Parts, workers: int) -> None:
-    """Incompatible runtime/policy/rule pairs fail here, before any gradient."""
-    parts.policy.check(workers)
+def _check_fit(parts: Parts, workers: int | None) -> None:
+    """Incompatible runtime/policy/rule pairs fail here, before any gradient (and before MPI starts)."""
+    if workers is not None:
+        parts.policy.check(workers)
     if parts.runtime.kind == "allreduce" and (parts.policy.name != "bsp"):
         raise ValueError(
             f"runtime=allreduce runs only sync=bsp (got sync={parts.policy.name}); use runtime=mpi for a server"
@@ -109,6 +110,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
     parts = build(cfg)
     flat = FlatModel(parts.model)
     spec = parts.runtime
+    _check_fit(parts, None)
     if spec.kind == "sim":
         from collsync.runtime.sim import Simulator
 

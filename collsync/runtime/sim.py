@@ -108,10 +108,9 @@ class Simulator:
                 # Gradients still in flight are dropped "at" the end of training, not when they would have landed.
                 self._frozen_clock = self.now
         if not server.done:
-            stuck = sorted(waiting | frozen)
             raise Deadlock(
                 f"{server.policy.name}: simulated server stopped at version {server.version} of {server.steps}: "
-                f"no gradient can arrive (waiting or frozen workers: {stuck})"
+                f"no gradient can arrive; frozen worker(s) {sorted(frozen)}, waiting worker(s) {sorted(waiting)}"
             )
         server.drain()
         return server

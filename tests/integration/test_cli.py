@@ -47,7 +47,10 @@ def test_default_run_writes_its_folder(tmp_path):
     ],
 )
 def test_bad_input_fails_before_training_with_one_clear_line(tmp_path, overrides, needle):
-    proc = run_train(tmp_path, *FAST, *overrides)
+    # A runtime other than the default has no `workers` key to override.
+    other_runtime = any(o.startswith("runtime=") for o in overrides)
+    base = [o for o in FAST if not (other_runtime and o.startswith("runtime."))]
+    proc = run_train(tmp_path, *base, *overrides)
     assert proc.returncode != 0
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr

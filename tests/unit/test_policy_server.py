@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from collsync.checks import TraceError, check_trace
-from collsync.policy import SyncPolicy, asynchronous, backup, bsp, ssp
+from collsync.policy import SyncPolicy, asynchronous, backup, ssp
 from collsync.rules import sgd
 from collsync.server import Server, replay
 from collsync.trace import Trace
