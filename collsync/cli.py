@@ -41,10 +41,25 @@ def _train(cfg: DictConfig) -> float | None:
         message = _user_error(exc)
         if message is None:
             raise
-        print(f"collsync-train: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        _fail(message)
     # Returned for Hydra sweepers (e.g. an optimizer sweep minimising test error).
     return None if result is None else 1.0 - float(result.get("final_acc") or 0.0)
+
+
+def _fail(message: str) -> None:
+    """One line on stderr, exit status 2; under MPI the line names the rank and the world is aborted (a rank that
+    failed alone would otherwise leave the others waiting forever)."""
+    from collsync.runtime.spec import launched_under_mpi
+
+    if not launched_under_mpi():
+        print(f"collsync-train: error: {message}", file=sys.stderr)
+        sys.exit(2)
+    from mpi4py import MPI
+
+    from collsync.runtime.mpi_world import rank_prefix
+
+    print(f"collsync-train: {rank_prefix(MPI.COMM_WORLD)}: error: {message}", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(2)
 
 
 def _shared_run_dir() -> None:

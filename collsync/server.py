@@ -118,6 +118,9 @@ class Server:
             self._apply(batch[: self.quorum])
             if batch[self.quorum :]:
                 self.pending[key()] = batch[self.quorum :]
+        if self.done:
+            # Gradients buffered for later rounds (SSP) can never be applied now.
+            self.drain()
 
     def _drop(self, arrival: Arrival, reason: str) -> None:
         self.dropped += 1

@@ -143,9 +143,10 @@ def _server(cfg: DictConfig, parts: Parts, flat: FlatModel, workers: int, trace:
 
 def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any] | None:
     from collsync.data import Batches
-    from collsync.runtime.mpi_world import world
+    from collsync.runtime.mpi_world import set_threads, world
 
     comm = world()
+    set_threads(comm)
     spec = parts.runtime
     workers = comm.Get_size() - (spec.servers if spec.kind == "mpi" else 0)
     if workers < 1:

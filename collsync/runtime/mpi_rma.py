@@ -1,0 +1,210 @@
+"""A parameter-server `Mailbox` on MPI one-sided windows: workers pull with MPI_Get and push with MPI_Put.
+
+Windows, all hosted by the server rank (workers expose zero bytes):
+
+    params  float[numel]             the published parameters
+    slots   float[workers * numel]   one gradient slot per worker
+    ctrl    int64[4 + 4 * workers]   [seq, version, done, -] then per worker [full, version, clock, finished]
+
+Every access, the server's to its own memory included, is an RMA call inside a `Lock_all` epoch opened once,
+completed with `Flush`: on MPICH a per-operation `Lock` waits until the target enters MPI, a `Lock_all` epoch with
+`Flush` does not, so neither side ever waits for the other to call MPI. Control words use atomics
+(`Fetch_and_op`), so a flag is never read half-written.
+
+* publish (server): seq <- seq + 1 (odd: writing); Put params; version, done; seq <- seq + 1 (even).
+* read (worker): poll (seq, version, done) until `ready`; Get params; re-read seq; retry if seq was odd or moved:
+  a seqlock, so a worker never keeps a torn mix of two versions.
+* send (worker): wait for its slot's `full` = 0; Put gradient; Put (version, clock); Flush; then `full` <- 1. The
+  Flush before the flag is what guarantees the server never sees the flag before the data.
+* recv (server): round-robin over slots from the last one served (fairness); full = 1 -> Get header and gradient,
+  then `full` <- 0.
+* close (server): after the final publish (done), wait until every worker set `finished`; gradients still in slots
+  are returned so the server can drop them (every push is applied or dropped exactly once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from collsync.types import Arrival, Flat, Stamp
+
+_HDR = 4  # seq, version, done, spare
+_SLOT = 4  # full, version, clock, finished
+
+
+class Backoff:
+    """Spin briefly, then sleep with growing pauses: ranks share cores, and a busy poll would starve a peer."""
+
+    def __init__(self, spins: int = 50, first: float = 20e-6, cap: float = 1e-3) -> None:
+        self.spins, self.first, self.cap = spins, first, cap
+        self.reset()
+
+    def reset(self) -> None:
+        self.n, self.pause = 0, self.first
+
+    def wait(self) -> None:
+        self.n += 1
+        if self.n > self.spins:
+            time.sleep(self.pause)
+            self.pause = min(self.cap, self.pause * 2)
+
+
+class WindowMailbox:
+    """Collective constructor over `comm`: `server_rank` hosts the windows, every other rank is a worker."""
+
+    def __init__(self, comm: Any, numel: int, *, server_rank: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm
+        self.numel = numel
+        self.server = server_rank
+        self.dtype = dtype
+        size, rank = comm.Get_size(), comm.Get_rank()
+        self.is_server = rank == server_rank
+        self.workers = size - 1
+        others = [r for r in range(size) if r != server_rank]
+        self.worker = others.index(rank) if not self.is_server else -1
+        self._np = np.float32 if dtype == torch.float32 else np.float64
+        self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
+        item = np.dtype(self._np).itemsize
+        host = self.is_server
+        self.win_params = MPI.Win.Allocate(numel * item if host else 0, item, comm=comm)
+        self.win_slots = MPI.Win.Allocate(self.workers * numel * item if host else 0, item, comm=comm)
+        self.win_ctrl = MPI.Win.Allocate((_HDR + _SLOT * self.workers) * 8 if host else 0, 8, comm=comm)
+        self._wins = (self.win_params, self.win_slots, self.win_ctrl)
+        if host:
+            for win in self._wins:
+                mem = np.frombuffer(win.tomemory(), dtype=np.uint8)
+                mem[:] = 0
+        comm.Barrier()  # the zeroed memory is in place before anyone reads it
+        for win in self._wins:
+            win.Lock_all()
+        self._one = np.ones(1, dtype=np.int64)
+        self._val = np.zeros(1, dtype=np.int64)
+        self._res = np.zeros(1, dtype=np.int64)
+        self._seq = 0
+        self._next = 0
+        self._backoff = Backoff()
+        self.bytes_pushed = 0
+        self.bytes_fetched = 0
+
+    # -- control words (atomics) -------------------------------------------------------------------------------
+    def _load(self, disp: int) -> int:
+        self.win_ctrl.Fetch_and_op(self._val, self._res, self.server, disp, op=self.MPI.NO_OP)
+        self.win_ctrl.Flush(self.server)
+        return int(self._res[0])
+
+    def _store(self, disp: int, value: int) -> None:
+        self._val[0] = value
+        self.win_ctrl.Fetch_and_op(self._val, self._res, self.server, disp, op=self.MPI.REPLACE)
+        self.win_ctrl.Flush(self.server)
+
+    def _slot(self, worker: int) -> int:
+        return _HDR + _SLOT * worker
+
+    # -- worker side -------------------------------------------------------------------------------------------
+    def read(self, out: Flat, ready: Callable[[Stamp], bool]) -> Stamp:
+        backoff = self._backoff
+        backoff.reset()
+        buf = out.detach().numpy()
+        while True:
+            seq = self._load(0)
+            if seq > 0 and seq % 2 == 0:  # 0: nothing published yet; odd: a publish is under way
+                stamp = Stamp(self._load(1), bool(self._load(2)))
+                if stamp.done:
+                    self._store(self._slot(self.worker) + 3, 1)
+                    return stamp
+                if ready(stamp):
+                    self.win_params.Get([buf, self._mpi_t], self.server)
+                    self.win_params.Flush(self.server)
+                    if self._load(0) == seq:
+                        self.bytes_fetched += buf.nbytes
+                        return stamp
+            backoff.wait()
+
+    def send(self, arrival: Arrival) -> None:
+        slot = self._slot(self.worker)
+        self._backoff.reset()
+        while self._load(slot) != 0:
+            self._backoff.wait()
+        grad = arrival.grad.detach().to(self.dtype).contiguous().numpy()
+        self.win_slots.Put([grad, self._mpi_t], self.server, target=(self.worker * self.numel, self.numel, self._mpi_t))
+        self.win_slots.Flush(self.server)
+        self._store(slot + 1, arrival.version)
+        self._store(slot + 2, arrival.clock)
+        self._store(slot, 1)  # last: the data and header are complete at the target before the flag says so
+        self.bytes_pushed += grad.nbytes
+
+    # -- server side -------------------------------------------------------------------------------------------
+    def _take(self, w: int) -> Arrival | None:
+        slot = self._slot(w)
+        if self._load(slot) != 1:
+            return None
+        grad = torch.empty(self.numel, dtype=self.dtype)
+        self.win_slots.Get([grad.numpy(), self._mpi_t], self.server, target=(w * self.numel, self.numel, self._mpi_t))
+        self.win_slots.Flush(self.server)
+        version, clock = self._load(slot + 1), self._load(slot + 2)
+        self._store(slot, 0)
+        return Arrival(w, version, grad, clock)
+
+    def recv(self, timeout: float | None = None) -> Arrival | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff = self._backoff
+        backoff.reset()
+        while True:
+            for i in range(self.workers):
+                w = (self._next + i) % self.workers
+                arrival = self._take(w)
+                if arrival is not None:
+                    self._next = (w + 1) % self.workers
+                    return arrival
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            backoff.wait()
+
+    def publish(self, params: Flat, stamp: Stamp) -> None:
+        self._seq += 1
+        self._store(0, self._seq)
+        buf = params.detach().to(self.dtype).contiguous().numpy()
+        self.win_params.Put([buf, self._mpi_t], self.server)
+        self.win_params.Flush(self.server)
+        self._store(1, stamp.version)
+        self._store(2, int(stamp.done))
+        self._seq += 1
+        self._store(0, self._seq)
+
+    def close(self) -> list[Arrival]:
+        left: list[Arrival] = []
+        backoff = self._backoff
+        backoff.reset()
+        while True:
+            finished = all(self._load(self._slot(w) + 3) for w in range(self.workers))
+            for w in range(self.workers):
+                arrival = self._take(w)
+                if arrival is not None:
+                    left.append(arrival)
+            if finished:
+                return left
+            backoff.wait()
+
+    def free(self) -> None:
+        """Collective: close the epochs and free the windows."""
+        for win in self._wins:
+            win.Unlock_all()
+        self.comm.Barrier()
+        for win in self._wins:
+            win.Free()
+        self._wins = ()
+
+    def __enter__(self) -> WindowMailbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._wins:
+            self.free()

@@ -1,0 +1,77 @@
+"""The MPI world as collsync sees it: checked against the launcher, with errors that name the rank."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from collsync.runtime.spec import launched_under_mpi
+
+__all__ = ["launcher_size", "launched_under_mpi", "rank_prefix", "abort_on_error", "world", "set_threads"]
+
+
+def launcher_size(env: Mapping[str, str] | None = None) -> int | None:
+    """The world size the launcher announced in the environment (PMI, Open MPI), or None if none did."""
+    env = os.environ if env is None else env
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        value = env.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def check_world_size(announced: int | None, actual: int) -> None:
+    """A launcher of one MPI starting ranks of another yields N separate one-rank worlds: stop with one line."""
+    if announced is not None and announced != actual:
+        raise RuntimeError(
+            f"mpi: the launcher started {announced} ranks but MPI sees a world of {actual}: the launcher and the "
+            f"MPI library do not match (use the venv's own mpiexec, or `srun --mpi=pmi2` for the mpich wheel)"
+        )
+
+
+def world() -> Any:
+    """COMM_WORLD, after checking that its size is what the launcher asked for."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    check_world_size(launcher_size(), comm.Get_size())
+    return comm
+
+
+def rank_prefix(comm: Any) -> str:
+    """'rank 3 of 8 on node17': the attribution every distributed error message starts with."""
+    return f"rank {comm.Get_rank()} of {comm.Get_size()} on {socket.gethostname()}"
+
+
+def set_threads(comm: Any) -> int:
+    """Give each rank an equal share of the node's cores for torch's intra-op threads (no oversubscription)."""
+    import torch
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    threads = max(1, (os.cpu_count() or 1) // local.Get_size())
+    local.Free()
+    torch.set_num_threads(threads)
+    return threads
+
+
+@contextlib.contextmanager
+def abort_on_error(comm: Any, user_errors: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """An exception on one rank prints its attributed message and aborts the world, which would otherwise hang."""
+    try:
+        yield
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure must take the world down
+        if isinstance(exc, user_errors):
+            print(f"collsync: {rank_prefix(comm)}: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            print(f"collsync: {rank_prefix(comm)}: unhandled error:", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            sys.stderr.flush()
+        comm.Abort(1 if not isinstance(exc, user_errors) else 2)

@@ -1,0 +1,112 @@
+"""The MPI runtimes against the same server, policies and invariants as the simulator."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from collsync.checks import check_trace
+from collsync.loops import Worker, run_server, run_worker
+from collsync.policy import asynchronous, backup, bsp, ssp
+from collsync.rules import momentum
+from collsync.runtime.mpi_coll import MpiCollective
+from collsync.runtime.mpi_rma import WindowMailbox
+from collsync.runtime.mpi_world import check_world_size, launcher_size, world
+from collsync.server import Server, replay
+from collsync.trace import Trace
+from collsync.types import Stamp
+
+
+def test_world_matches_the_launcher(comm):
+    assert world().Get_size() == comm.Get_size()
+    assert launcher_size({"PMI_SIZE": "4"}) == 4 and launcher_size({}) is None
+    with pytest.raises(RuntimeError, match="launcher started 4 ranks but MPI sees a world of 1"):
+        check_world_size(4, 1)
+
+
+def test_allreduce_mean_is_exact_on_small_integers(comm):
+    coll = MpiCollective(comm)
+    x = torch.arange(10, dtype=torch.float64) * (coll.rank + 1)
+    mean = coll.allreduce_mean(x.clone())
+    expected = torch.arange(10, dtype=torch.float64) * sum(r + 1 for r in range(coll.size)) / coll.size
+    assert torch.equal(mean, expected)
+    req, buf = coll.iallreduce_mean(torch.full((5,), float(coll.rank), dtype=torch.float64))
+    assert torch.equal(coll.finish(req, buf), torch.full((5,), (coll.size - 1) / 2, dtype=torch.float64))
+
+
+def test_published_versions_are_never_torn(comm):
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    numel, versions = 20_000, 30
+    with WindowMailbox(comm, numel, dtype=torch.float64) as box:
+        if box.is_server:
+            for v in range(1, versions + 1):
+                box.publish(torch.full((numel,), float(v), dtype=torch.float64), Stamp(v))
+                time.sleep(random.random() * 1e-3)
+            box.publish(torch.zeros(numel, dtype=torch.float64), Stamp(versions + 1, done=True))
+            assert box.close() == []
+        else:
+            out = torch.empty(numel, dtype=torch.float64)
+            seen = 0
+            while True:
+                stamp = box.read(out, lambda s, seen=seen: s.version > seen)
+                if stamp.done:
+                    break
+                assert stamp.version > seen
+                assert torch.all(out == stamp.version), "a read mixed two published versions"
+                seen = stamp.version
+
+
+def _least_squares(numel: int):
+    target = torch.linspace(-1, 1, numel, dtype=torch.float64)
+
+    def grads(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
+        time.sleep(random.Random(worker * 7919 + index).random() * 2e-3)  # uneven workers
+        return params - target + 0.01 * (worker + 1)
+
+    return grads
+
+
+@pytest.mark.parametrize("policy", [asynchronous(), backup(1), bsp(), ssp(2)], ids=["async", "backup", "bsp", "ssp"])
+def test_server_and_workers_over_windows(comm, policy):
+    if comm.Get_size() < 2 or (policy.backups and comm.Get_size() < 3):
+        pytest.skip("needs a server and enough workers for the policy")
+    numel, steps = 257, 40
+    workers = comm.Get_size() - 1
+    start = torch.zeros(numel, dtype=torch.float64)
+    with WindowMailbox(comm, numel, dtype=torch.float64) as box:
+        if box.is_server:
+            trace = Trace()
+            server = Server(start, momentum(lr=0.1), policy, workers, steps=steps, trace=trace)
+            received = []
+            recv = box.recv
+
+            def recording(timeout=None):
+                arrival = recv(timeout)
+                if arrival is not None:
+                    received.append(arrival)
+                return arrival
+
+            close = box.close
+
+            def closing():
+                left = close()
+                received.extend(left)
+                return left
+
+            box.recv = recording  # type: ignore[method-assign]
+            box.close = closing  # type: ignore[method-assign]
+            run_server(server, box)
+            counts = check_trace(trace, policy, workers)
+            assert server.version == steps
+            assert counts["pushed"] == counts["applied"] + counts["dropped"] == len(received)
+            again = replay(start, momentum(lr=0.1), policy, workers, received, steps=steps)
+            assert torch.equal(again.params, server.params)
+        else:
+            sent = run_worker(
+                Worker(box.worker, policy), box, _least_squares(numel), torch.empty(numel, dtype=torch.float64)
+            )
+            assert sent > 0
