@@ -87,6 +87,7 @@ def adam_ga(
     gradients shrink; `eta_max` rescales C if that over-penalises.) Weight decay is added to the gradient first
     and so is penalised in m (App. C.5).
     """
+    check_lr("adam_ga", lr)  # before eta_max = lr is checked under its own name
     penalty = gap_rule(
         "adam_ga",
         eta_max=lr if eta_max is None else eta_max,
@@ -129,6 +130,7 @@ def _adam_first_moment(
     check_positive(name, "eps", eps)
     if weight_decay < 0:
         raise ValueError(f"{name}: {weight_decay=} must be >= 0")
+
     def init(params: Flat) -> State:
         return wrap(zeros_like(params), zeros_like(params), 0, penalty.init(params))
 

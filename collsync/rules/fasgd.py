@@ -32,7 +32,7 @@ class FASGDState(NamedTuple):
     v: torch.Tensor
 
 
-def fasgd(lr: float = 0.5, gamma: float = 0.9, beta: float = 0.9, eps: float = 1e-8) -> Rule:
+def fasgd(lr: float = 1.0, gamma: float = 0.9, beta: float = 0.9, eps: float = 1e-8) -> Rule:
     """Faster ASGD (002_... eqs. 4-8), per parameter, on each gradient Delta theta as it arrives:
 
         n <- gamma n + (1 - gamma) g^2                      (4)

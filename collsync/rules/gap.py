@@ -113,7 +113,10 @@ def gap_rule(
 
     def update(grad: Flat, state: GapAwareState, params: Flat, ctx: Context) -> tuple[Flat, GapAwareState]:
         if ctx.read is None:
-            raise ValueError(f"{name}: ctx.read is None; the server fills it for rules with needs_read=True")
+            raise ValueError(
+                f"{name}: ctx.read is None; the server fills it for rules with needs_read=True, and for an optimizer "
+                "only when an update holds one gradient (sync=async, quorum 1)"
+            )
         g = grad + weight_decay * params if weight_decay else grad
         count = state.count + 1
         v = state.v * momentum + g

@@ -11,7 +11,7 @@ Two variants, which differ as soon as the optimizer has momentum (001_... §4.1,
 
 002_... (SASGD, eq. 1: g_i = alpha(tau) Delta theta, theta <- theta - g_i) states SA as the step-size variant: a
 staleness-dependent *learning rate* alpha(tau) = alpha / tau on plain ASGD without momentum, where the two variants
-coincide (tests check that they agree bit for bit under `sgd`).
+coincide (tests check that they agree under `sgd`, to rounding: g / tau * eta versus g * eta / tau).
 
 tau is the server's `ctx.staleness` clamped to >= 1: a fresh gradient (tau = 0) is not amplified. (002_...'s FRED
 code divides by tau + 1 instead; the catalogue pins the clamp.)
