@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from collsync.flat import FlatModel
 from collsync.loops import Gradients, Worker, run_allreduce, run_server, run_worker
 from collsync.policy import SyncPolicy
+from collsync.rules import combine
 from collsync.rules.base import Rule
 from collsync.runtime.spec import RuntimeSpec
 from collsync.server import Server
@@ -43,11 +44,13 @@ def build(cfg: DictConfig) -> Parts:
             raise ValueError(f"{key}={cfg[key]} must be >= 1")
     data = instantiate(cfg.data)
     model = instantiate(cfg.model)(input_shape=data.input_shape, classes=data.classes, seed=cfg.seed)
+    # A penalty is a Rule applied per arrival, or a wrapper of the optimizer's step (001_... Alg. 3).
+    penalty, optimizer = combine(instantiate(cfg.penalty), instantiate(cfg.optimizer))
     return Parts(
         runtime=instantiate(cfg.runtime),
         policy=instantiate(cfg.sync),
-        penalty=instantiate(cfg.penalty),
-        optimizer=instantiate(cfg.optimizer),
+        penalty=penalty,
+        optimizer=optimizer,
         data=data,
         model=model,
         stragglers=instantiate(cfg.stragglers),

@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from collsync.cli import CONF_DIR
+from collsync.rules import Rule, combine
 
 GROUPS = sorted(p.name for p in Path(CONF_DIR).iterdir() if p.is_dir() and list(p.glob("*.yaml")))
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((Path(CONF_DIR) / g).glob("*.yaml"))]
@@ -27,6 +28,10 @@ def test_option_composes_and_instantiates(group, option):
     if (group, option) in NEEDS_PATH:
         with pytest.raises(Exception, match="path"):
             instantiate(cfg[group])
+        return
+    if group == "method":  # a global package: it chooses the penalty and the optimizer together
+        penalty, optimizer = combine(instantiate(cfg.penalty), instantiate(cfg.optimizer))
+        assert isinstance(penalty, Rule) and isinstance(optimizer, Rule)
         return
     obj = instantiate(cfg[group])
     assert obj is not None
