@@ -136,6 +136,7 @@ class Server:
     def _apply(self, batch: list[Arrival]) -> None:
         batch = sorted(batch, key=lambda a: (a.worker, a.clock))
         total: Flat | None = None
+        gaps: list[float | None] = []
         for a in batch:
             ctx = Context(
                 step=self.version,
@@ -146,9 +147,10 @@ class Server:
                 aggregated=len(batch),
             )
             g, self.pen_state = self.penalty.update(a.grad, self.pen_state, self.params, ctx)
+            gaps.append(_gap(self.pen_state))
             total = g.clone() if total is None else total.add_(g)
         assert total is not None  # a batch is never empty: _advance and flush check
-        self._step(total.div_(len(batch)), batch)
+        self._step(total.div_(len(batch)), batch, gaps)
 
     def apply_mean(self, mean: Flat, batch: list[Arrival]) -> None:
         """Apply an already averaged gradient (serverless allreduce: every rank's replica does this)."""
@@ -156,7 +158,7 @@ class Server:
             self._note("push", worker=a.worker, clock=a.clock, version=a.version, staleness=self.version - a.version)
         self._step(mean, sorted(batch, key=lambda a: (a.worker, a.clock)))
 
-    def _step(self, mean: Flat, batch: list[Arrival]) -> None:
+    def _step(self, mean: Flat, batch: list[Arrival], gaps: list[float | None] | None = None) -> None:
         first = batch[0]
         ctx = Context(
             step=self.version,
@@ -176,12 +178,18 @@ class Server:
             self.ema.mul_(self.ema_decay).add_(self.params, alpha=1.0 - self.ema_decay)
         if self.needs_read:
             self._remember(batch)
+        extra: dict[str, object] = {}
+        if len(batch) == 1 and (gaps is None or gaps[0] is None):
+            gaps = [_gap(self.opt_state)]  # a Gap measured inside the optimizer (Adam-GA)
+        if gaps and all(g is not None for g in gaps):
+            extra["gap"] = gaps
         self._note(
             "apply",
             version=self.version,
             workers=[a.worker for a in batch],
             clocks=[a.clock for a in batch],
             staleness=staleness,
+            **extra,
         )
 
     def _remember(self, batch: list[Arrival]) -> None:
@@ -207,3 +215,18 @@ def replay(
     for a in arrivals:
         server.accept(a)
     return server
+
+
+def _gap(state: object) -> float | None:
+    """The mean Gap a Gap-Aware rule measured for its last gradient, wherever it sits in a (nested) state."""
+    gap = getattr(state, "gap", None)
+    if isinstance(gap, float):
+        return gap
+    if gap is not None:
+        return _gap(gap)
+    if isinstance(state, tuple):
+        for item in state:
+            found = _gap(item)
+            if found is not None:
+                return found
+    return None

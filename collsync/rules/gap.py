@@ -36,6 +36,7 @@ class GapAwareState(NamedTuple):
     v: torch.Tensor
     m: torch.Tensor
     count: int
+    gap: float = 1.0  # mean Gap G of the last gradient penalised: a diagnostic for 001_... Fig. 4, not state
 
 
 def gap_aware(
@@ -132,7 +133,7 @@ def gap_rule(
             c = torch.sqrt(m / correction) * eta_max + eps
             gap = _spread(torch.sqrt(_sums(diff * diff, spans_d)) / c + 1, spans_d)
         # At theta_read == theta_k the Gap is exactly 1 and g / 1 == g: a fresh gradient passes unchanged.
-        return g / gap, GapAwareState(v, m, count)
+        return g / gap, GapAwareState(v, m, count, float(gap.mean()))
 
     return Rule(init, update, needs_read=True)
 

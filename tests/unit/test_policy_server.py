@@ -136,3 +136,16 @@ def test_history_kept_only_for_rules_that_read_it_and_pruned():
     assert 0 in server._history
     server.accept(arrival(1, 2, 1.0))
     assert sorted(server._history) == [1, 2, 3, 4]  # worker 0 last sent a gradient of version 1
+
+
+def test_gap_aware_updates_record_their_gap():
+    from collsync.rules import gap_aware
+
+    server = Server(
+        torch.zeros(3, dtype=torch.float64), sgd(lr=1.0), asynchronous(), 2, penalty=gap_aware(), trace=Trace()
+    )
+    server.accept(arrival(0, 0, 1.0))
+    server.accept(arrival(1, 0, 1.0))
+    first, second = server.trace.of("apply")
+    assert first["gap"] == [1.0]  # read == current parameters: no gap
+    assert second["gap"][0] > 1.0  # worker 1 read version 0, the server is at version 1
