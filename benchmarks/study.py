@@ -1,0 +1,331 @@
+"""Comparison studies in the simulator: each is a Hydra multirun of `collsync-train`, then a table and plots.
+
+    python benchmarks/study.py run NAME [--quick]      # sweep into multirun/study-NAME (not committed)
+    python benchmarks/study.py report NAME             # tables + plots into benchmarks/results/NAME/
+    python benchmarks/study.py list
+
+A study is a named list of override sets (each a Hydra multirun) plus how to lay out its table. Every method of a
+study shares one set of hyperparameters (001_... tuned nothing per method, and neither do we). Numbers are means
+over seeds with their standard deviation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class Study:
+    """`sweeps`: override lists, each one `collsync-train -m` call; `rows`/`cols`: override keys of the table;
+    `value`: a summary key (or `final_error`, `ema_error`); `paper`: what the paper reported, for the comparison."""
+
+    title: str
+    sweeps: list[list[str]]
+    rows: str
+    cols: str
+    values: tuple[str, ...] = ("final_error",)
+    extra: list[str] = field(default_factory=list)
+    paper: str = ""
+    quick: list[str] = field(default_factory=list)
+    figures: tuple[str, ...] = ()
+
+
+def _seeds(n: int = 3) -> str:
+    return "seed=" + ",".join(str(s) for s in range(n))
+
+
+def _value(summary: dict[str, Any], key: str) -> float | None:
+    if key == "final_error":
+        acc = summary.get("final_acc")
+        return None if acc is None else 1.0 - float(acc)
+    if key == "ema_error":
+        acc = summary.get("final_ema_acc")
+        return None if acc is None else 1.0 - float(acc)
+    name, _, threshold = key.partition(":")
+    value = summary.get(name)
+    if isinstance(value, dict):  # time_to_acc:0.9 -> summary["time_to_acc"]["0.9"]
+        value = value.get(threshold, value.get(float(threshold)) if threshold else None)
+    return None if value is None else float(value)
+
+
+def _label(overrides: dict[str, str], keys: str) -> str | None:
+    """The table label of a run: one override's value, or several joined with '/' ("sync,sync.backups")."""
+    parts = [overrides.get(k) for k in keys.split(",")]
+    present = [p for p in parts if p is not None]
+    return "/".join(present) if present else None
+
+
+def load_runs(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Every finished job under a sweep folder: its overrides (as a dict) and its summary."""
+    runs = []
+    for summary_path in sorted(sweep_dir.rglob("summary.json")):
+        job = summary_path.parent
+        overrides_file = job / ".hydra" / "overrides.yaml"
+        if not overrides_file.exists():
+            continue
+        runs.append({"overrides": run_overrides(job), "summary": json.loads(summary_path.read_text()), "dir": job})
+    return runs
+
+
+def table(
+    runs: list[dict[str, Any]], study: Study, key: str
+) -> tuple[list[str], list[str], dict[tuple[str, str], list[float]]]:
+    cells: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for run in runs:
+        row, col = _label(run["overrides"], study.rows), _label(run["overrides"], study.cols)
+        value = _value(run["summary"], key)
+        if value is not None and row is not None and col is not None:
+            cells[(row, col)].append(value)
+    rows = sorted({r for r, _ in cells}, key=_order_key)
+    cols = sorted({c for _, c in cells}, key=_order_key)
+    return rows, cols, cells
+
+
+def _order_key(x: str) -> tuple[int, float | str]:
+    try:
+        return (0, float(x))
+    except ValueError:
+        return (1, x)
+
+
+def _fmt(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.3f} ± {sd:.3f} (n={len(values)})"
+
+
+def write_report(name: str, study: Study, runs: list[dict[str, Any]], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# {study.title}",
+        "",
+        f"{len(runs)} simulated runs; mean ± std over seeds. Rows: `{study.rows}`, columns: `{study.cols}`.",
+        "",
+    ]
+    with open(out / "table.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["value", study.rows, study.cols, "mean", "std", "seeds"])
+        for key in study.values:
+            rows, cols, cells = table(runs, study, key)
+            for r in rows:
+                for c in cols:
+                    v = cells.get((r, c), [])
+                    if v:
+                        sd = statistics.stdev(v) if len(v) > 1 else 0.0
+                        writer.writerow([key, r, c, statistics.fmean(v), sd, len(v)])
+            lines += [
+                f"## {key}",
+                "",
+                "| " + study.rows + " | " + " | ".join(cols) + " |",
+                "|---" * (len(cols) + 1) + "|",
+            ]
+            lines += [f"| {r} | " + " | ".join(_fmt(cells.get((r, c), [])) for c in cols) + " |" for r in rows]
+            plot = f"{key.replace(':', '_')}.png"
+            _plot(study, key, rows, cols, cells, out / plot)
+            lines += ["", f"![{key}]({plot})", ""]
+    for figure in study.figures:
+        example = next((run["dir"] / figure for run in runs if (run["dir"] / figure).exists()), None)
+        if example is not None:
+            target = out / f"example_{figure}"
+            target.write_bytes(example.read_bytes())
+            label = "/".join(f"{k}={v}" for k, v in run_overrides(example.parent).items())
+            lines += [f"Example run ({label}):", "", f"![{figure}]({target.name})", ""]
+    lines += [
+        "Regenerate:",
+        "",
+        "```",
+        f"python benchmarks/study.py run {name}",
+        f"python benchmarks/study.py report {name}",
+        "```",
+    ]
+    if study.paper:
+        lines += ["", "## Against the paper", "", study.paper]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def run_overrides(job: Path) -> dict[str, str]:
+    overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+    return dict(o.lstrip("+").split("=", 1) for o in overrides)
+
+
+def _plot(study: Study, key: str, rows: list[str], cols: list[str], cells: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    numeric = all(_order_key(c)[0] == 0 for c in cols)
+    xs = [float(c) for c in cols] if numeric else list(range(len(cols)))
+    for r in rows:
+        means = [statistics.fmean(cells[(r, c)]) if cells.get((r, c)) else float("nan") for c in cols]
+        sds = [statistics.stdev(cells[(r, c)]) if len(cells.get((r, c), [])) > 1 else 0.0 for c in cols]
+        ax.errorbar(xs, means, yerr=sds, marker="o", capsize=3, label=r)
+    if not numeric:
+        ax.set_xticks(xs, cols)
+    ax.set_xlabel(study.cols)
+    ax.set_ylabel(key)
+    ax.set_title(study.title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+_ASYNC = ["sync=async", "runtime=sim", "steps=1000", "eval_every=250"]
+_PENALTIES = "method=asgd,nag_asgd,sa,ga,dana,dana_sa,dana_ga"
+_QUICK = ["steps=200", "seed=0"]
+
+
+def _penalty_study(stragglers: str, label: str) -> Study:
+    return Study(
+        title=f"Staleness penalties vs workers, {label} workers (001_... Fig. 2 / Table 4 in miniature)",
+        sweeps=[
+            [*_ASYNC, f"stragglers={stragglers}", _PENALTIES, "runtime.workers=4,8,16,32,48", _seeds()],
+            [*_ASYNC, f"stragglers={stragglers}", "method=asgd", "runtime.workers=1", _seeds()],
+        ],
+        rows="method",
+        cols="runtime.workers",
+        values=("final_error", "ema_error", "staleness_mean"),
+        quick=_QUICK,
+    )
+
+
+def _product_sweeps() -> list[list[str]]:
+    pairs = [(128, 1), (64, 2), (32, 4), (16, 8), (8, 16), (4, 32)]
+    return [
+        [
+            *_ASYNC,
+            "method=fasgd,sasgd",
+            "stragglers=gamma_homogeneous",
+            f"batch_size={b}",
+            f"runtime.workers={w}",
+            _seeds(),
+        ]
+        for b, w in pairs
+    ]
+
+
+STUDIES: dict[str, Study] = {
+    "penalties_homogeneous": _penalty_study("gamma_homogeneous", "homogeneous"),
+    "penalties_heterogeneous": _penalty_study("gamma_heterogeneous", "heterogeneous"),
+    "fasgd_constant_product": Study(
+        title="FASGD vs SASGD with batch x workers = 128 (002_... Fig. 1)",
+        sweeps=_product_sweeps(),
+        rows="method",
+        cols="runtime.workers",
+        values=("final_error", "staleness_mean"),
+        quick=_QUICK,
+    ),
+    "fasgd_growing_workers": Study(
+        title="FASGD vs SASGD with growing workers at batch 32 (002_... Fig. 2)",
+        sweeps=[
+            [
+                *_ASYNC,
+                "method=fasgd,sasgd",
+                "stragglers=gamma_homogeneous",
+                "batch_size=32",
+                "runtime.workers=1,2,4,8,16,32",
+                _seeds(),
+            ]
+        ],
+        rows="method",
+        cols="runtime.workers",
+        values=("final_error", "staleness_mean"),
+        quick=_QUICK,
+    ),
+    "gap_vs_delay": Study(
+        title="The Gap vs the delay over training for GA and DANA-GA (001_... Fig. 4)",
+        sweeps=[[*_ASYNC, "method=ga,dana_ga", "stragglers=gamma_homogeneous", "runtime.workers=8,16,32", _seeds()]],
+        rows="method",
+        cols="runtime.workers",
+        values=("gap_mean", "staleness_mean", "final_error"),
+        figures=("gap_vs_delay.png",),
+        quick=_QUICK,
+    ),
+    "backup_vs_async": Study(
+        title="Backup workers vs async vs BSP, 16 heterogeneous workers: simulated time to 90% test accuracy (000_...)",
+        sweeps=[
+            [
+                "sync=backup",
+                "sync.backups=0,1,2,4",
+                "runtime.workers=16",
+                "stragglers=gamma_heterogeneous",
+                "steps=300",
+                "eval_every=10",
+                _seeds(),
+            ],
+            [
+                "sync=async",
+                "optimizer=sgd",
+                "runtime.workers=16",
+                "stragglers=gamma_heterogeneous",
+                "steps=2400",
+                "eval_every=40",
+                _seeds(),
+            ],
+        ],
+        rows="sync,sync.backups",
+        cols="runtime.workers",
+        values=("time_to_acc:0.9", "time_to_ema_acc:0.9", "final_error", "dropped"),
+        figures=("kth_gradient_cdf.png",),
+        quick=["seed=0"],
+    ),
+}
+
+
+def run(name: str, study: Study, quick: bool) -> Path:
+    sweep_dir = ROOT / "multirun" / f"study-{name}"
+    for i, overrides in enumerate(study.sweeps):
+        args = [sys.executable, "-m", "collsync.cli", "-m", f"hydra.sweep.dir={sweep_dir}/{i}", "progress=false"]
+        args += overrides + study.extra + (study.quick if quick else [])
+        print("+", " ".join(args[2:]), flush=True)
+        subprocess.run(args, check=True, cwd=ROOT)
+    return sweep_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["run", "report", "list"])
+    parser.add_argument("name", nargs="?")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and seeds: a smoke test of the study")
+    args = parser.parse_args(argv)
+    if args.action == "list" or args.name is None:
+        for key, s in STUDIES.items():
+            print(f"{key:24s} {s.title}")
+        return 0
+    if args.name not in STUDIES:
+        print(f"study: unknown study {args.name!r}; known: {', '.join(STUDIES)}", file=sys.stderr)
+        return 2
+    study = STUDIES[args.name]
+    sweep_dir = ROOT / "multirun" / f"study-{args.name}"
+    if args.action == "run":
+        run(args.name, study, args.quick)
+    runs = load_runs(sweep_dir)
+    if not runs:
+        print(f"study: no finished runs under {sweep_dir}; run `study.py run {args.name}` first", file=sys.stderr)
+        return 2
+    write_report(args.name, study, runs, RESULTS / args.name)
+    print(f"study: {len(runs)} runs -> {RESULTS / args.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
