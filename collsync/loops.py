@@ -9,6 +9,7 @@ The simulator drives the same `Worker` and `Server` from its event queue; MPI ru
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from collsync.flat import FlatModel
 from collsync.policy import SyncPolicy
+from collsync.rules.fasgd import bfasgd_probability
 from collsync.runtime import Collective, Mailbox
 from collsync.server import Server
 from collsync.types import Arrival, Flat, Stamp
@@ -52,30 +54,52 @@ class Worker:
     clock: int = -1
     version: int = 0
     steps: int = 0
+    seed: int = 0
+    v: float = 0.0
+    fetches: int = 0
+
+    def __post_init__(self) -> None:
+        # B-FASGD's coin flips: a private stream per worker, so runs are reproducible and runtimes agree.
+        self._rng = random.Random(self.seed * 1_000_003 + self.rank)
+
+    def will_fetch(self) -> bool:
+        """B-FASGD: fetch at this opportunity? (Always for other policies, and for a worker that has nothing yet.)"""
+        c = self.policy.c_fetch
+        return c is None or self.steps == 0 or self._rng.random() < bfasgd_probability(self.v, c)
+
+    def will_push(self) -> bool:
+        """B-FASGD: push this gradient? (The first one always goes: the server has nothing to repeat yet.)"""
+        c = self.policy.c_push
+        return c is None or self.steps == 0 or self._rng.random() < bfasgd_probability(self.v, c)
 
     def ready(self, stamp: Stamp) -> bool:
         """May this worker start its next gradient on parameters at `stamp`? (SSP bound, BSP barrier.)"""
         return stamp.done or self.policy.may_start(self.clock + 1, stamp.version)
 
-    def begin(self, stamp: Stamp) -> int:
-        """Start a gradient on parameters at `stamp`; returns the round it is computed for."""
-        self.clock = self.policy.next_clock(self.clock, stamp.version)
-        self.version = stamp.version
+    def begin(self, stamp: Stamp, fetched: bool = True) -> int:
+        """Start a gradient on parameters at `stamp` (or, a fetch skipped, on those it had); returns its round."""
+        self.v = stamp.v
+        if fetched:
+            self.clock = self.policy.next_clock(self.clock, stamp.version)
+            self.version = stamp.version
+            self.fetches += 1
         return self.clock
 
     def arrival(self, grad: Flat) -> Arrival:
-        """Wrap the finished gradient for the server."""
+        """Wrap the finished gradient for the server (without it, when B-FASGD skips the push)."""
+        push = self.will_push()
         self.steps += 1
-        return Arrival(self.rank, self.version, grad, self.clock)
+        return Arrival(self.rank, self.version, grad if push else None, self.clock)
 
 
 def run_worker(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat) -> int:
     """Read, compute, send until the server says done. Returns the number of gradients sent."""
     while True:
-        stamp = mailbox.read(params, worker.ready)
+        fetch = worker.will_fetch()
+        stamp = mailbox.read(params, worker.ready, fetch=fetch)
         if stamp.done:
             return worker.steps
-        worker.begin(stamp)
+        worker.begin(stamp, fetched=fetch)
         mailbox.send(worker.arrival(grads(params, worker.rank, worker.steps)))
 
 

@@ -82,6 +82,15 @@ def summary(trace: TraceLike, thresholds: Sequence[float] = THRESHOLDS) -> dict[
         "applied": sum(len(e["workers"]) for e in applies),
         "dropped": sum(1 for e in events if e["ev"] == "drop"),
         "dropped_by_reason": dict(Counter(e.get("reason", "?") for e in events if e["ev"] == "drop")),
+        # B-FASGD (002_... Fig. 3): transmissions made vs possible; a skipped push is a `repeat` push event.
+        "push_ratio": _ratio(
+            sum(1 for e in events if e["ev"] == "push" and not e.get("repeat")),
+            sum(1 for e in events if e["ev"] == "push"),
+        ),
+        "fetch_ratio": _ratio(
+            sum(1 for e in events if e["ev"] == "start" and e.get("fetched", True)),
+            sum(1 for e in events if e["ev"] == "start"),
+        ),
         "staleness_mean": _mean(staleness),
         "staleness_max": max(staleness, default=None),
         "gap_mean": _mean(gaps),
@@ -111,6 +120,11 @@ def format_summary(s: dict[str, Any]) -> str:
             f"staleness    mean {_num(s['staleness_mean'], '.3f')}  max {_num(s['staleness_max'], 'd')}{gap}",
             f"time to acc  {reached or '-'}",
         ]
+        + (
+            [f"bandwidth    pushes {_num(s['push_ratio'])} of possible, fetches {_num(s['fetch_ratio'])}"]
+            if (s.get("push_ratio") or 1.0) < 1.0 or (s.get("fetch_ratio") or 1.0) < 1.0
+            else []
+        )
     )
 
 
@@ -347,3 +361,7 @@ def report_main(argv: list[str] | None = None) -> int:
         for x in ("time", "steps"):
             print(f"comparison: {compare_runs(runs, where / f'compare_accuracy_vs_{x}.png', x=x)}")
     return 0
+
+
+def _ratio(made: int, possible: int) -> float | None:
+    return made / possible if possible else None

@@ -26,6 +26,8 @@ class SyncPolicy:
     max_lead: int | None = 0
     timeout: float | None = None
     deadline: float | None = None
+    c_push: float | None = None
+    c_fetch: float | None = None
 
     def __post_init__(self) -> None:
         if self.backups < 0:
@@ -44,6 +46,12 @@ class SyncPolicy:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"{self.name}: {key}={value!r} must be > 0 seconds")
+        for key in ("c_push", "c_fetch"):
+            value = getattr(self, key)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{self.name}: {key}={value!r} must be >= 0")
+            if value is not None and self.rounds:
+                raise ValueError(f"{self.name}: {key} (B-FASGD) needs an asynchronous policy (sync=async)")
         if self.timeout is not None and self.deadline is not None and not self.timeout < self.deadline:
             raise ValueError(f"{self.name}: timeout={self.timeout} must be < deadline={self.deadline}")
 
@@ -57,6 +65,11 @@ class SyncPolicy:
             raise ValueError(f"{self.name}: quorum={self.quorum} must be <= {workers=}")
         if self.quorum is not None and self.backups and self.quorum != workers - self.backups:
             raise ValueError(f"{self.name}: quorum={self.quorum} contradicts backups={self.backups} of {workers=}")
+
+    @property
+    def bandwidth_aware(self) -> bool:
+        """B-FASGD (002_... eq. 9): workers push and fetch with a probability set by the server's v."""
+        return self.c_push is not None or self.c_fetch is not None
 
     def quorum_for(self, workers: int) -> int:
         """The number of gradients one update averages (the divisor N of 000_... Alg. 4)."""
@@ -87,9 +100,18 @@ def backup(backups: int = 1, deadline: float | None = None) -> SyncPolicy:
     return SyncPolicy("backup", backups=backups, deadline=deadline)
 
 
-def asynchronous(quorum: int = 1, timeout: float | None = None) -> SyncPolicy:
-    """ASGD (001_... Alg. 1-2) with quorum 1; with quorum c > 1 and a timeout, the partial push of PSP (003_...)."""
-    return SyncPolicy("async", rounds=False, quorum=quorum, max_lead=None, timeout=timeout)
+def asynchronous(
+    quorum: int = 1, timeout: float | None = None, c_push: float | None = None, c_fetch: float | None = None
+) -> SyncPolicy:
+    """ASGD (001_... Alg. 1-2) with quorum 1; with quorum c > 1 and a timeout, the partial push of PSP (003_...).
+
+    `c_push` / `c_fetch` make it B-FASGD (002_... eq. 9, with optimizer=fasgd): at each opportunity a worker
+    pushes (fetches) iff r < 1 / (1 + c / (v + eps)), r uniform in [0, 1); a skipped push re-applies the worker's
+    last gradient on the server, a skipped fetch keeps the worker on the parameters it has.
+    """
+    return SyncPolicy(
+        "async", rounds=False, quorum=quorum, max_lead=None, timeout=timeout, c_push=c_push, c_fetch=c_fetch
+    )
 
 
 def ssp(max_lead: int = 3, deadline: float | None = None) -> SyncPolicy:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collsync.policy import SyncPolicy
 from collsync.rules.base import Rule, identity
+from collsync.rules.fasgd import bfasgd_v
 from collsync.trace import Trace
 from collsync.types import Arrival, Context, Flat, Stamp
 
@@ -57,6 +58,10 @@ class Server:
         self._view: Flat | None = None
         # Versions some worker may still send a gradient for, with the view it read (Gap-Aware's theta_{k-tau}).
         self._history: dict[int, Flat] = {}
+        # B-FASGD: each worker's last gradient, re-applied when it skips a push.
+        self._last: dict[int, Flat] = {}
+        if policy.bandwidth_aware:
+            bfasgd_v(self.opt_state)  # fails now, naming the fix, unless the optimizer is FASGD
         self._oldest = [0] * workers
         if self.needs_read:
             self._history[0] = self.view().clone()
@@ -66,7 +71,8 @@ class Server:
         return self.steps is not None and self.version >= self.steps
 
     def stamp(self) -> Stamp:
-        return Stamp(self.version, self.done)
+        v = bfasgd_v(self.opt_state) if self.policy.bandwidth_aware else 0.0
+        return Stamp(self.version, self.done, v)
 
     def view(self) -> Flat:
         """The parameters workers read: theta itself, or a rule's look-ahead (DANA)."""
@@ -78,12 +84,21 @@ class Server:
         """Take one gradient; apply every update it completes. False if it was dropped."""
         if not 0 <= arrival.worker < self.workers:
             raise ValueError(f"server: arrival from worker {arrival.worker} outside 0..{self.workers - 1}")
+        repeat = arrival.grad is None
+        if repeat:
+            last = self._last.get(arrival.worker)
+            if last is None:
+                raise ValueError(f"server: worker {arrival.worker} skipped a push before it ever pushed")
+            arrival = arrival._replace(grad=last)
+        elif self.policy.bandwidth_aware:
+            self._last[arrival.worker] = arrival.grad
         self._note(
             "push",
             worker=arrival.worker,
             clock=arrival.clock,
             version=arrival.version,
             staleness=self.version - arrival.version,
+            **({"repeat": True} if repeat else {}),
         )
         if self.done or (self.policy.rounds and arrival.clock < self.version):
             self._drop(arrival, "finished" if self.done else "late")

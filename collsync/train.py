@@ -185,7 +185,8 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
             if bar is not None:
                 bar.close()
             return _finish(cfg, parts, server, trace, out_dir)
-        run_worker(Worker(mailbox.worker, parts.policy), mailbox, grads, torch.empty_like(flat.params))
+        worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
+        run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
         return None
     finally:
         mailbox.free()

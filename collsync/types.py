@@ -22,11 +22,12 @@ class Arrival(NamedTuple):
 
     `version` is the server version of the parameters the gradient was computed on; `clock` is the round the worker
     computed it for (equal to `version` under BSP and backup workers, ahead of it by at most `max_lead` under SSP).
+    `grad` is None when a B-FASGD worker skipped its push: the server re-applies that worker's last gradient.
     """
 
     worker: int
     version: int
-    grad: Flat
+    grad: Flat | None
     clock: int = 0
 
 
@@ -47,7 +48,9 @@ class Context(NamedTuple):
 
 
 class Stamp(NamedTuple):
-    """What a worker learns when it reads: the server version it got, and whether training is over."""
+    """What a worker learns when it reads: the server version it got, whether training is over, and B-FASGD's v
+    (002_... eq. 9: the mean of FASGD's moving averages, which sets the chance to push or fetch; 0 otherwise)."""
 
     version: int
     done: bool = False
+    v: float = 0.0

@@ -16,12 +16,14 @@ from collsync.types import Arrival, Flat, Stamp
 class Mailbox(Protocol):
     """Worker side: `read` and `send`; server side: `recv`, `publish` and `close`."""
 
-    def read(self, out: Flat, ready: Callable[[Stamp], bool]) -> Stamp:
-        """Block until the published stamp satisfies `ready`, then copy the published parameters into `out`."""
+    def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
+        """Block until the published stamp satisfies `ready`, then copy the published parameters into `out`
+        (unless `fetch` is False: B-FASGD skipped this fetch, only the stamp is read)."""
         ...
 
     def send(self, arrival: Arrival) -> None:
-        """Hand a gradient to the server (returns once the buffer may be reused)."""
+        """Hand a gradient to the server (returns once the buffer may be reused); `arrival.grad` None sends only
+        the header (a skipped B-FASGD push)."""
         ...
 
     def recv(self, timeout: float | None = None) -> Arrival | None:

@@ -4,7 +4,7 @@ Windows, all hosted by the server rank (workers expose zero bytes):
 
     params  float[numel]             the published parameters
     slots   float[workers * numel]   one gradient slot per worker
-    ctrl    int64[4 + 4 * workers]   [seq, version, done, -] then per worker [full, version, clock, finished]
+    ctrl    int64[4 + 4 * workers]   [seq, version, done, v] then per worker [full, version, clock, finished]
 
 Every access, the server's to its own memory included, is an RMA call inside a `Lock_all` epoch opened once,
 completed with `Flush`: on MPICH a per-operation `Lock` waits until the target enters MPI, a `Lock_all` epoch with
@@ -33,8 +33,17 @@ import torch
 
 from collsync.types import Arrival, Flat, Stamp
 
-_HDR = 4  # seq, version, done, spare
+_HDR = 4  # seq, version, done, B-FASGD's v (float64 bits)
 _SLOT = 4  # full, version, clock, finished
+
+
+def _as_int(x: float) -> int:
+    """A float64's bits as an int64 (the control window holds int64 words; B-FASGD's v rides in one)."""
+    return int(np.array([x], dtype=np.float64).view(np.int64)[0])
+
+
+def _as_float(bits: int) -> float:
+    return float(np.array([bits], dtype=np.int64).view(np.float64)[0])
 
 
 class Backoff:
@@ -109,16 +118,18 @@ class WindowMailbox:
         return _HDR + _SLOT * worker
 
     # -- worker side -------------------------------------------------------------------------------------------
-    def read(self, out: Flat, ready: Callable[[Stamp], bool]) -> Stamp:
+    def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
         backoff = self._backoff
         backoff.reset()
         buf = out.detach().numpy()
         while True:
             seq = self._load(0)
             if seq > 0 and seq % 2 == 0:  # 0: nothing published yet; odd: a publish is under way
-                stamp = Stamp(self._load(1), bool(self._load(2)))
+                stamp = Stamp(self._load(1), bool(self._load(2)), _as_float(self._load(3)))
                 if stamp.done:
                     self._store(self._slot(self.worker) + 3, 1)
+                    return stamp
+                if ready(stamp) and not fetch:
                     return stamp
                 if ready(stamp):
                     self.win_params.Get([buf, self._mpi_t], self.server)
@@ -133,22 +144,29 @@ class WindowMailbox:
         self._backoff.reset()
         while self._load(slot) != 0:
             self._backoff.wait()
-        grad = arrival.grad.detach().to(self.dtype).contiguous().numpy()
-        self.win_slots.Put([grad, self._mpi_t], self.server, target=(self.worker * self.numel, self.numel, self._mpi_t))
-        self.win_slots.Flush(self.server)
+        if arrival.grad is not None:
+            grad = arrival.grad.detach().to(self.dtype).contiguous().numpy()
+            target = (self.worker * self.numel, self.numel, self._mpi_t)
+            self.win_slots.Put([grad, self._mpi_t], self.server, target=target)
+            self.win_slots.Flush(self.server)
+            self.bytes_pushed += grad.nbytes
         self._store(slot + 1, arrival.version)
         self._store(slot + 2, arrival.clock)
-        self._store(slot, 1)  # last: the data and header are complete at the target before the flag says so
-        self.bytes_pushed += grad.nbytes
+        # Last: the data and header are complete at the target before the flag says so. 2 = header only.
+        self._store(slot, 1 if arrival.grad is not None else 2)
 
     # -- server side -------------------------------------------------------------------------------------------
     def _take(self, w: int) -> Arrival | None:
         slot = self._slot(w)
-        if self._load(slot) != 1:
+        full = self._load(slot)
+        if full == 0:
             return None
-        grad = torch.empty(self.numel, dtype=self.dtype)
-        self.win_slots.Get([grad.numpy(), self._mpi_t], self.server, target=(w * self.numel, self.numel, self._mpi_t))
-        self.win_slots.Flush(self.server)
+        grad = None
+        if full == 1:
+            grad = torch.empty(self.numel, dtype=self.dtype)
+            target = (w * self.numel, self.numel, self._mpi_t)
+            self.win_slots.Get([grad.numpy(), self._mpi_t], self.server, target=target)
+            self.win_slots.Flush(self.server)
         version, clock = self._load(slot + 1), self._load(slot + 2)
         self._store(slot, 0)
         return Arrival(w, version, grad, clock)
@@ -176,6 +194,7 @@ class WindowMailbox:
         self.win_params.Flush(self.server)
         self._store(1, stamp.version)
         self._store(2, int(stamp.done))
+        self._store(3, _as_int(stamp.v))
         self._seq += 1
         self._store(0, self._seq)
 

@@ -17,7 +17,7 @@ from typing import Any
 from collsync.loops import GradFn, Worker
 from collsync.server import Server
 from collsync.trace import Trace
-from collsync.types import Arrival
+from collsync.types import Arrival, Flat
 
 _PUSH, _TIMEOUT = 0, 1
 
@@ -62,7 +62,10 @@ class Simulator:
             raise ValueError(f"runtime: simulator has {self.workers} workers, server expects {server.workers}")
         if server.trace is not self.trace:
             raise ValueError("runtime: build the Server with trace=simulator.trace so events carry simulated time")
-        workers = [Worker(w, server.policy) for w in range(self.workers)]
+        workers = [Worker(w, server.policy, seed=self.seed) for w in range(self.workers)]
+        # What each worker computes on; B-FASGD workers that skip a fetch keep their own copy.
+        held: list[Flat | None] = [None] * self.workers
+        keep_copy = server.policy.c_fetch is not None
         waiting: set[int] = set()
         frozen: set[int] = set()
 
@@ -76,10 +79,16 @@ class Simulator:
             if self._frozen(w):
                 frozen.add(w)
                 return
-            clock = worker.begin(stamp)
-            self.trace.record("start", worker=w, clock=clock, version=stamp.version)
+            fetch = worker.will_fetch()
+            clock = worker.begin(stamp, fetched=fetch)
+            if fetch:
+                held[w] = server.view().clone() if keep_copy else server.view()
+            extra = {"fetched": fetch} if server.policy.bandwidth_aware else {}
+            self.trace.record("start", worker=w, clock=clock, version=worker.version, **extra)
             index = worker.steps
-            arrival = worker.arrival(grads(server.view(), w, index))
+            params = held[w]
+            assert params is not None  # a worker's first opportunity always fetches
+            arrival = worker.arrival(grads(params, w, index))
             self._schedule(self.now + self._compute_time(w, index), _PUSH, w, arrival)
 
         for w in range(self.workers):

@@ -11,7 +11,7 @@ import torch
 from collsync.checks import check_trace
 from collsync.loops import Worker, run_server, run_worker
 from collsync.policy import asynchronous, backup, bsp, ssp
-from collsync.rules import momentum
+from collsync.rules import fasgd, momentum
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_rma import WindowMailbox
 from collsync.runtime.mpi_world import check_world_size, launcher_size, world
@@ -70,8 +70,18 @@ def _least_squares(numel: int):
     return grads
 
 
-@pytest.mark.parametrize("policy", [asynchronous(), backup(1), bsp(), ssp(2)], ids=["async", "backup", "bsp", "ssp"])
-def test_server_and_workers_over_windows(comm, policy):
+@pytest.mark.parametrize(
+    ("policy", "rule"),
+    [
+        (asynchronous(), lambda: momentum(lr=0.1)),
+        (backup(1), lambda: momentum(lr=0.1)),
+        (bsp(), lambda: momentum(lr=0.1)),
+        (ssp(2), lambda: momentum(lr=0.1)),
+        (asynchronous(c_push=2.0, c_fetch=2.0), lambda: fasgd(lr=0.01)),
+    ],
+    ids=["async", "backup", "bsp", "ssp", "bfasgd"],
+)
+def test_server_and_workers_over_windows(comm, policy, rule):
     if comm.Get_size() < 2 or (policy.backups and comm.Get_size() < 3):
         pytest.skip("needs a server and enough workers for the policy")
     numel, steps = 257, 40
@@ -80,7 +90,7 @@ def test_server_and_workers_over_windows(comm, policy):
     with WindowMailbox(comm, numel, dtype=torch.float64) as box:
         if box.is_server:
             trace = Trace()
-            server = Server(start, momentum(lr=0.1), policy, workers, steps=steps, trace=trace)
+            server = Server(start, rule(), policy, workers, steps=steps, trace=trace)
             received = []
             recv = box.recv
 
@@ -103,10 +113,10 @@ def test_server_and_workers_over_windows(comm, policy):
             counts = check_trace(trace, policy, workers)
             assert server.version == steps
             assert counts["pushed"] == counts["applied"] + counts["dropped"] == len(received)
-            again = replay(start, momentum(lr=0.1), policy, workers, received, steps=steps)
+            again = replay(start, rule(), policy, workers, received, steps=steps)
             assert torch.equal(again.params, server.params)
         else:
             sent = run_worker(
-                Worker(box.worker, policy), box, _least_squares(numel), torch.empty(numel, dtype=torch.float64)
+                Worker(box.worker, policy, seed=1), box, _least_squares(numel), torch.empty(numel, dtype=torch.float64)
             )
             assert sent > 0

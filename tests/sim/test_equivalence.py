@@ -104,3 +104,18 @@ def test_frozen_worker_backup_trains_and_bsp_reports_it():
     assert all(2 not in e["workers"] for e in sim.trace.of("apply")[4:])
     with pytest.raises(Deadlock, match=r"frozen worker\(s\) \[2\]"):
         simulate(bsp(), 4, steps=20, stragglers=frozen)
+
+
+def test_bfasgd_transmits_less_as_c_grows_and_settles_every_push():
+    from collsync.metrics import summary
+    from collsync.rules import fasgd
+
+    ratios = []
+    for c in (0.0, 3000.0):
+        policy = asynchronous(c_push=c, c_fetch=c)
+        _, sim = simulate(policy, 4, steps=60, optimizer=fasgd(lr=10.0), stragglers=HETERO)
+        check_trace(sim.trace, policy, 4)
+        s = summary(sim.trace)
+        ratios.append((s["push_ratio"], s["fetch_ratio"]))
+    assert ratios[0] == (1.0, 1.0)
+    assert ratios[1][0] < 0.9 and ratios[1][1] < 0.9
