@@ -198,8 +198,16 @@ def _penalty_study(stragglers: str, label: str) -> Study:
     return Study(
         title=f"Staleness penalties vs workers, {label} workers (001_... Fig. 2 / Table 4 in miniature)",
         sweeps=[
-            [*_ASYNC, f"stragglers={stragglers}", _PENALTIES, "runtime.workers=4,8,16,32,48", _seeds()],
-            [*_ASYNC, f"stragglers={stragglers}", "method=asgd", "runtime.workers=1", _seeds()],
+            # Batch 16: 48 workers x 16 rows still fit one epoch of digits' 1,348 training rows.
+            [
+                *_ASYNC,
+                f"stragglers={stragglers}",
+                "batch_size=16",
+                _PENALTIES,
+                "runtime.workers=4,8,16,32,48",
+                _seeds(),
+            ],
+            [*_ASYNC, f"stragglers={stragglers}", "batch_size=16", "method=asgd", "runtime.workers=1", _seeds()],
         ],
         rows="method",
         cols="runtime.workers",

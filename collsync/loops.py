@@ -139,7 +139,6 @@ def run_allreduce(
     server: Server,
     collective: Collective,
     grads: GradFn,
-    params: Flat,
     on_update: Callable[[Server], None] | None = None,
 ) -> Server:
     """Serverless BSP: every rank holds a replica of the server; the mean gradient comes from an allreduce.
@@ -150,8 +149,8 @@ def run_allreduce(
     while not server.done:
         stamp = server.stamp()
         worker.begin(stamp)
-        params.copy_(server.view())
-        g = collective.allreduce_mean(grads(params, collective.rank, worker.steps))
+        # The gradient function copies the view into the model itself: no copy of our own here.
+        g = collective.allreduce_mean(grads(server.view(), collective.rank, worker.steps))
         worker.steps += 1
         server.apply_mean(g, [Arrival(r, stamp.version, g, stamp.version) for r in range(collective.size)])
         if on_update is not None:

@@ -167,7 +167,7 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
         server = _server(cfg, parts, flat, workers, trace)
         bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)
         evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
-        run_allreduce(server, coll, grads, flat.params.clone(), on_update=evaluate if coll.rank == 0 else None)
+        run_allreduce(server, coll, grads, on_update=evaluate if coll.rank == 0 else None)
         if bar is not None:
             bar.close()
         return _finish(cfg, parts, server, trace, out_dir) if coll.rank == 0 else None

@@ -97,6 +97,8 @@ class WindowMailbox:
         self._one = np.ones(1, dtype=np.int64)
         self._val = np.zeros(1, dtype=np.int64)
         self._res = np.zeros(1, dtype=np.int64)
+        self._zeros4 = np.zeros(_HDR, dtype=np.int64)
+        self._hdr = np.zeros(_HDR, dtype=np.int64)
         self._seq = 0
         self._next = 0
         self._backoff = Backoff()
@@ -108,6 +110,14 @@ class WindowMailbox:
         self.win_ctrl.Fetch_and_op(self._val, self._res, self.server, disp, op=self.MPI.NO_OP)
         self.win_ctrl.Flush(self.server)
         return int(self._res[0])
+
+    def _load_header(self) -> np.ndarray:
+        """seq, version, done, v in one atomic-per-word read (Get_accumulate with NO_OP), not four round trips."""
+        self.win_ctrl.Get_accumulate(
+            self._zeros4, self._hdr, self.server, target=(0, _HDR, self.MPI.INT64_T), op=self.MPI.NO_OP
+        )
+        self.win_ctrl.Flush(self.server)
+        return self._hdr
 
     def _store(self, disp: int, value: int) -> None:
         self._val[0] = value
@@ -123,9 +133,9 @@ class WindowMailbox:
         backoff.reset()
         buf = out.detach().numpy()
         while True:
-            seq = self._load(0)
+            seq, version, done, v = (int(x) for x in self._load_header())
             if seq > 0 and seq % 2 == 0:  # 0: nothing published yet; odd: a publish is under way
-                stamp = Stamp(self._load(1), bool(self._load(2)), _as_float(self._load(3)))
+                stamp = Stamp(version, bool(done), _as_float(v))
                 if stamp.done:
                     self._store(self._slot(self.worker) + 3, 1)
                     return stamp
