@@ -6,6 +6,8 @@ one line naming the key, not an hour into a job.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from collsync.flat import FlatModel
-from collsync.loops import Gradients, Worker, run_allreduce, run_server, run_worker
+from collsync.loops import GradFn, Gradients, Worker, run_allreduce, run_server, run_worker
 from collsync.policy import SyncPolicy
 from collsync.rules import combine
 from collsync.rules.base import Rule
@@ -93,6 +95,8 @@ def _check_fit(parts: Parts, workers: int | None) -> None:
         raise ValueError(
             f"runtime=allreduce runs only sync=bsp (got sync={parts.policy.name}); use runtime=mpi for a server"
         )
+    if parts.runtime.kind == "allreduce" and parts.runtime.inject_stragglers and parts.stragglers.frozen:
+        raise ValueError("runtime=allreduce cannot go on past a frozen worker; use runtime=mpi with sync=backup")
     if parts.policy.timeout is not None and parts.runtime.kind == "allreduce":
         raise ValueError("runtime=allreduce has no server to time out; use runtime=mpi")
 
@@ -158,11 +162,14 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
             f"launch at least {spec.servers + 1} ranks"
         )
     _check_fit(parts, workers)
-    grads = Gradients(flat, Batches(parts.data, workers, int(cfg.batch_size), int(cfg.seed)))
+    grads: GradFn = Gradients(flat, Batches(parts.data, workers, int(cfg.batch_size), int(cfg.seed)))
+    sampler = parts.stragglers.sampler(workers, int(cfg.seed)) if spec.inject_stragglers else None
     trace = Trace()
     if spec.kind == "allreduce":
         from collsync.runtime.mpi_coll import MpiCollective
 
+        if sampler is not None:
+            grads = _injected(grads, sampler, spec.time_scale, lambda: False)
         coll = MpiCollective(comm)
         server = _server(cfg, parts, flat, workers, trace)
         bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)
@@ -175,21 +182,43 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
     from collsync.runtime.mpi_rma import WindowMailbox
 
     mailbox = WindowMailbox(comm, flat.numel)
-    try:
-        if mailbox.is_server:
-            server = _server(cfg, parts, flat, workers, trace)
-            bar = _progress(int(cfg.steps), bool(cfg.progress))
-            evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
-            evaluate(server)
-            run_server(server, mailbox, on_update=evaluate)
-            if bar is not None:
-                bar.close()
-            return _finish(cfg, parts, server, trace, out_dir)
-        worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
-        run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
-        return None
-    finally:
+    if sampler is not None:
+        grads = _injected(grads, sampler, spec.time_scale, lambda: mailbox.peek().done)
+    # No `finally: free()`: freeing is collective, and after a failure the other ranks are not there to join it;
+    # the error reaches cli._fail, which aborts the world instead.
+    if mailbox.is_server:
+        server = _server(cfg, parts, flat, workers, trace)
+        bar = _progress(int(cfg.steps), bool(cfg.progress))
+        evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
+        evaluate(server)
+        run_server(server, mailbox, on_update=evaluate)
+        if bar is not None:
+            bar.close()
         mailbox.free()
+        return _finish(cfg, parts, server, trace, out_dir)
+    worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
+    run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
+    mailbox.free()
+    return None
+
+
+def _injected(grads: GradFn, sampler: Any, scale: float, finished: Callable[[], bool]) -> GradFn:
+    """Real runs with the simulator's stragglers: sleep the drawn compute time and message delay (x `scale`).
+
+    A frozen worker computes nothing more until `finished()` (training is over): the rest of the world trains on
+    (backup, async) or the server's deadline names it. It still leaves cleanly, so the run folder is written.
+    """
+    start = time.monotonic()
+
+    def slow(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
+        g = grads(params, worker, index)
+        if sampler.is_frozen(worker, (time.monotonic() - start) / scale):
+            while not finished():
+                time.sleep(0.05)
+        time.sleep((sampler.compute_time(worker, index) + sampler.message_delay(worker, index)) * scale)
+        return g
+
+    return slow
 
 
 def _finish(cfg: DictConfig, parts: Parts, server: Server, trace: Trace, out_dir: Path) -> dict[str, Any]:

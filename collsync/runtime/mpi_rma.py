@@ -149,6 +149,11 @@ class WindowMailbox:
                         return stamp
             backoff.wait()
 
+    def peek(self) -> Stamp:
+        """The stamp last published (possibly mid-publish: for polling only, never to read parameters by)."""
+        _, version, done, v = (int(x) for x in self._load_header())
+        return Stamp(version, bool(done), _as_float(v))
+
     def send(self, arrival: Arrival) -> None:
         slot = self._slot(self.worker)
         self._backoff.reset()

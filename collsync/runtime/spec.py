@@ -20,12 +20,16 @@ class RuntimeSpec:
     kind: str
     workers: int = 8
     servers: int = 1
+    inject_stragglers: bool = False
+    time_scale: float = 0.01
 
     def __post_init__(self) -> None:
         if self.kind not in ("sim", "mpi", "allreduce"):
             raise ValueError(f"runtime: kind={self.kind!r} must be one of sim, mpi, allreduce")
         if self.workers < 1:
             raise ValueError(f"runtime: workers={self.workers} must be >= 1")
+        if not self.time_scale > 0:
+            raise ValueError(f"runtime: time_scale={self.time_scale} must be > 0")
         if self.servers != 1:
             raise ValueError(f"runtime: servers={self.servers}: this release runs one server shard (servers=1)")
 
@@ -44,16 +48,21 @@ def sim(workers: int = 8) -> RuntimeSpec:
     return RuntimeSpec("sim", workers=workers)
 
 
-def mpi(servers: int = 1) -> RuntimeSpec:
-    """Parameter server on MPI one-sided windows: ranks 0..servers-1 serve, the rest are workers."""
-    return RuntimeSpec("mpi", servers=servers)
+def mpi(servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
+    """Parameter server on MPI one-sided windows: ranks 0..servers-1 serve, the rest are workers.
+
+    `inject_stragglers`: each worker also sleeps the compute time and message delay the straggler model draws for
+    its batch, times `time_scale` (the simulator's seconds are model seconds; 0.01 turns 1 s into 10 ms); a frozen
+    worker stops computing until training ends. The same seeded draws as the simulator's.
+    """
+    return RuntimeSpec("mpi", servers=servers, inject_stragglers=inject_stragglers, time_scale=time_scale)
 
 
-def allreduce() -> RuntimeSpec:
+def allreduce(inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
     """Serverless full sync over MPI collectives: every rank is a worker (BSP only)."""
-    return RuntimeSpec("allreduce")
+    return RuntimeSpec("allreduce", inject_stragglers=inject_stragglers, time_scale=time_scale)
 
 
-def auto(workers: int = 8, servers: int = 1) -> RuntimeSpec:
+def auto(workers: int = 8, servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
     """MPI when launched as several ranks (mpiexec, srun), else the simulator with `workers` workers."""
-    return mpi(servers) if launched_under_mpi() else sim(workers)
+    return mpi(servers, inject_stragglers, time_scale) if launched_under_mpi() else sim(workers)

@@ -46,3 +46,21 @@ def test_too_many_backups_for_the_world_fails_with_the_rank_named(tmp_path):
     assert proc.returncode != 0
     assert "backups=2 must be < workers=2" in proc.stderr
     assert "rank " in proc.stderr
+
+
+FROZEN = ["runtime.inject_stragglers=true", "stragglers=frozen_worker", "stragglers.worker=1", "stragglers.at=5"]
+
+
+def test_a_frozen_worker_does_not_stop_backup_sync(tmp_path):
+    proc = launch(tmp_path, 4, "sync=backup", "sync.backups=1", "steps=120", *FROZEN)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    applies = [json.loads(line) for line in (tmp_path / "run" / "trace.jsonl").open() if '"apply"' in line]
+    assert len(applies) == 120
+    assert all(1 not in e["workers"] for e in applies[20:])  # worker 1 froze early and was never waited for
+
+
+def test_bsp_names_the_frozen_worker_after_its_deadline(tmp_path):
+    proc = launch(tmp_path, 4, "sync=bsp", "sync.deadline=2", "steps=120", *FROZEN)
+    assert proc.returncode != 0
+    assert "deadline=2" in proc.stderr and "waiting on worker(s) [1]" in proc.stderr
+    assert "rank 0 of 4" in proc.stderr
