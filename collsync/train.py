@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from collsync.flat import FlatModel
 from collsync.loops import GradFn, Gradients, Worker, run_allreduce, run_server, run_worker
 from collsync.policy import SyncPolicy
-from collsync.rules import combine
+from collsync.rules import combine, gradual_warmup, linear_scaling
 from collsync.rules.base import Rule
 from collsync.runtime.spec import RuntimeSpec
 from collsync.server import Server
@@ -135,10 +135,21 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
     return _run_mpi(cfg, parts, flat, out_dir)
 
 
+def _schedule(cfg: DictConfig, parts: Parts, workers: int) -> Rule:
+    """Wrap the optimizer in the schedules that depend on the number of workers (known only at launch)."""
+    optimizer = parts.optimizer
+    warmup = int(cfg.get("warmup_updates", 0))
+    if warmup:
+        optimizer = gradual_warmup(optimizer, warmup, workers)  # 001_... App. C.4: eta / N -> eta, momentum-corrected
+    if bool(cfg.get("linear_scaling", False)):
+        optimizer = linear_scaling(optimizer, parts.policy.quorum_for(workers))  # 003_...: step x d / c
+    return optimizer
+
+
 def _server(cfg: DictConfig, parts: Parts, flat: FlatModel, workers: int, trace: Trace) -> Server:
     return Server(
         flat.params,
-        parts.optimizer,
+        _schedule(cfg, parts, workers),
         parts.policy,
         workers,
         penalty=parts.penalty,

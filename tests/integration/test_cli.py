@@ -42,6 +42,7 @@ def test_default_run_writes_its_folder(tmp_path):
         (["sync=async", "sync.quorum=9"], "quorum=9"),
         (["runtime=allreduce", "sync=async"], "runtime=allreduce"),
         (["steps=0"], "steps=0"),
+        (["warmup_updates=-1"], "warmup=-1"),
         (["no_such_key=1"], "no_such_key"),
         (["data=npz", "data.path=/nonexistent/file.npz"], "/nonexistent/file.npz"),
     ],
