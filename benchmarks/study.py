@@ -1,6 +1,7 @@
 """Comparison studies in the simulator: each is a Hydra multirun of `collsync-train`, then a table and plots.
 
-    python benchmarks/study.py run NAME [--quick]      # sweep into multirun/study-NAME (not committed)
+    python benchmarks/study.py run NAME [--quick] [OVERRIDE ...]  # sweep into multirun/study-NAME (not committed)
+                                                       # e.g. data=mnist data.path=/data/mnist model.hidden=[256]
     python benchmarks/study.py report NAME             # tables + plots into benchmarks/results/NAME/
     python benchmarks/study.py list
 
@@ -386,11 +387,11 @@ STUDIES: dict[str, Study] = {
 }
 
 
-def run(name: str, study: Study, quick: bool) -> Path:
+def run(name: str, study: Study, quick: bool, more: list[str] | None = None) -> Path:
     sweep_dir = ROOT / "multirun" / f"study-{name}"
     for i, overrides in enumerate(study.sweeps):
         args = [sys.executable, "-m", "collsync.cli", "-m", f"hydra.sweep.dir={sweep_dir}/{i}", "progress=false"]
-        args += overrides + study.extra + (study.quick if quick else [])
+        args += overrides + study.extra + (study.quick if quick else []) + (more or [])
         print("+", " ".join(args[2:]), flush=True)
         subprocess.run(args, check=True, cwd=ROOT)
     return sweep_dir
@@ -401,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["run", "report", "list"])
     parser.add_argument("name", nargs="?")
     parser.add_argument("--quick", action="store_true", help="fewer steps and seeds: a smoke test of the study")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (another data set, ...)")
     args = parser.parse_args(argv)
     if args.action == "list" or args.name is None:
         for key, s in STUDIES.items():
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     study = STUDIES[args.name]
     sweep_dir = ROOT / "multirun" / f"study-{args.name}"
     if args.action == "run":
-        run(args.name, study, args.quick)
+        run(args.name, study, args.quick, args.overrides)
     runs = load_runs(sweep_dir)
     if not runs:
         print(f"study: no finished runs under {sweep_dir}; run `study.py run {args.name}` first", file=sys.stderr)
