@@ -1,10 +1,13 @@
 """Data sets and per-worker batches. Nothing here downloads: digits ships inside scikit-learn, the rest are files the
 user already has (`.npz`, MNIST IDX, CIFAR-10 binary) or generated from a seed.
+
+Every factory is a Hydra `_target_` (conf/data/<name>.yaml) taking keyword arguments of the same names.
 """
 
 from __future__ import annotations
 
 import gzip
+import zipfile
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -12,9 +15,20 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+"""The arrays `npz` expects: features (any shape, first axis = rows) and integer labels 0..classes-1."""
+
+_MNIST_STEMS = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+_CIFAR_RECORD = 1 + 3 * 32 * 32  # one label byte, then 1024 red, 1024 green, 1024 blue bytes
+
 
 class Dataset(NamedTuple):
-    """Train and test tensors (float32 features, int64 labels)."""
+    """Train and test tensors: float32 features, int64 labels in 0..classes-1."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -25,39 +39,62 @@ class Dataset(NamedTuple):
 
     @property
     def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample: (features,) when flattened, (C, H, W) for images."""
         return tuple(self.x_train.shape[1:])
 
 
-def _check_fraction(name: str, test_fraction: float) -> None:
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"{name}: {test_fraction=} must be in (0, 1)")
-
-
-def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> Dataset:
-    _check_fraction(name, test_fraction)
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(y))
-    n_test = max(1, int(round(len(y) * test_fraction)))
-    test, train = order[:n_test], order[n_test:]
+def _dataset(
+    name: str, xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray, classes: int | None = None
+) -> Dataset:
+    """Check labels and lengths, convert to torch. `classes` defaults to the largest label + 1."""
+    for part, x, y in (("train", xtr, ytr), ("test", xte, yte)):
+        if y.ndim != 1 or len(x) != len(y):
+            raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have the same rows")
+        if len(y) == 0:
+            raise ValueError(f"{name}: the {part} split is empty")
+        # Float labels are accepted when they are whole numbers (np.savez of a float array is common).
+        if not np.issubdtype(y.dtype, np.integer) and not np.array_equal(y, np.round(y)):
+            raise ValueError(f"{name}: {part} labels must be whole numbers (got dtype {y.dtype})")
+        if y.min() < 0:
+            raise ValueError(f"{name}: {part} labels must be >= 0 (found {y.min()})")
+    found = int(max(ytr.max(), yte.max())) + 1
+    if classes is not None and found > classes:
+        raise ValueError(f"{name}: labels must be < {classes=} (found {found - 1})")
     return Dataset(
-        torch.from_numpy(np.ascontiguousarray(x[train], dtype=np.float32)),
-        torch.from_numpy(y[train].astype(np.int64)),
-        torch.from_numpy(np.ascontiguousarray(x[test], dtype=np.float32)),
-        torch.from_numpy(y[test].astype(np.int64)),
-        int(y.max()) + 1,
+        torch.from_numpy(np.ascontiguousarray(xtr, dtype=np.float32)),
+        torch.from_numpy(ytr.astype(np.int64)),
+        torch.from_numpy(np.ascontiguousarray(xte, dtype=np.float32)),
+        torch.from_numpy(yte.astype(np.int64)),
+        found if classes is None else classes,
         name,
     )
 
 
+def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, classes: int) -> Dataset:
+    """A seeded (not stratified) split: a permutation from `seed`, the first round(rows * test_fraction) to test."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"{name}: {test_fraction=} must be in (0, 1)")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(y))
+    n_test = max(1, int(round(len(y) * test_fraction)))
+    if n_test >= len(y):
+        raise ValueError(f"{name}: {test_fraction=} leaves no training rows out of {len(y)}")
+    test, train = order[:n_test], order[n_test:]
+    return _dataset(name, x[train], y[train], x[test], y[test], classes)
+
+
 def digits(test_fraction: float = 0.25, seed: int = 0, flatten: bool = True) -> Dataset:
-    """scikit-learn's bundled handwritten digits: 1,797 8x8 images, 10 classes, pixel values scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
+    """scikit-learn's bundled handwritten digits: 1,797 8x8 images, 10 classes, pixels (0..16) scaled to [0, 1].
+
+    `flatten=False` gives (1, 8, 8) images for the CNN.
+    """
+    from sklearn.datasets import load_digits  # the data ships inside the wheel: no download
 
     bunch = load_digits()
     x = bunch.data.astype(np.float32) / 16.0
     if not flatten:
         x = x.reshape(-1, 1, 8, 8)
-    return _split("digits", x, bunch.target, test_fraction, seed)
+    return _split("digits", x, bunch.target, test_fraction, seed, classes=10)
 
 
 def synthetic(
@@ -68,20 +105,27 @@ def synthetic(
     seed: int = 0,
     test_fraction: float = 0.25,
 ) -> Dataset:
-    """Gaussian clusters around `classes` random centres in `features` dimensions, with isotropic `noise`."""
+    """Gaussian clusters: `classes` random centres c_k ~ N(0, 4/features I), x = c_y + noise * N(0, I).
+
+    The centres sit about 2 apart and the noise is small by default, so the task is learnable by an MLP in a few
+    hundred steps; raise `noise` to make it harder. The first `classes` rows are the centres themselves, so every
+    class is present.
+    """
+    if features < 1:
+        raise ValueError(f"synthetic: {features=} must be >= 1")
+    if classes < 2:
+        raise ValueError(f"synthetic: {classes=} must be >= 2")
     if samples < 2 * classes:
         raise ValueError(f"synthetic: {samples=} must be >= 2 * classes={2 * classes}")
-    if features < 1 or classes < 2:
-        raise ValueError(f"synthetic: {features=} must be >= 1 and {classes=} >= 2")
-    if noise < 0:
+    if not noise >= 0:
         raise ValueError(f"synthetic: {noise=} must be >= 0")
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(classes, features)) / np.sqrt(features) * 2.0
     y = rng.integers(0, classes, size=samples)
     x = centres[y] + noise * rng.normal(size=(samples, features))
-    y[:classes] = np.arange(classes)  # every class present
+    y[:classes] = np.arange(classes)
     x[:classes] = centres
-    return _split("synthetic", x, y, test_fraction, seed)
+    return _split("synthetic", x, y, test_fraction, seed, classes=classes)
 
 
 def _exists(name: str, path: Path) -> Path:
@@ -91,104 +135,135 @@ def _exists(name: str, path: Path) -> Path:
 
 
 def npz(path: str, flatten: bool = True) -> Dataset:
-    """A local .npz holding arrays `x_train`, `y_train`, `x_test`, `y_test` (labels 0..classes-1)."""
+    """A local .npz holding the arrays `x_train`, `y_train`, `x_test`, `y_test` (see `NPZ_KEYS`).
+
+    Features may have any per-row shape (flattened unless `flatten=False`); labels are whole numbers
+    0..classes-1, and `classes` is the largest label + 1. Write one with `np.savez(path, x_train=..., ...)`.
+    """
     file = _exists("npz", Path(path))
-    with np.load(file) as arrays:
-        missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
+    try:
+        arrays = np.load(file, allow_pickle=False)  # never unpickle a user's file
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(f"npz: path={str(file)!r} is not a readable .npz archive ({e})") from e
+    if not isinstance(arrays, np.lib.npyio.NpzFile):
+        raise ValueError(f"npz: path={str(file)!r} holds a single array, not an .npz archive of {list(NPZ_KEYS)}")
+    with arrays:
+        missing = [k for k in NPZ_KEYS if k not in arrays.files]
         if missing:
-            raise ValueError(f"npz: path={str(file)!r} lacks array(s) {missing}")
-        xs = {k: arrays[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+            raise ValueError(f"npz: path={str(file)!r} lacks array(s) {missing}; it has {arrays.files}")
+        xtr, ytr, xte, yte = (arrays[k] for k in NPZ_KEYS)
     if flatten:
-        xs["x_train"] = xs["x_train"].reshape(len(xs["x_train"]), -1)
-        xs["x_test"] = xs["x_test"].reshape(len(xs["x_test"]), -1)
-    return _dataset("npz", xs["x_train"], xs["y_train"], xs["x_test"], xs["y_test"])
-
-
-def _dataset(name: str, xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray) -> Dataset:
-    if len(xtr) != len(ytr) or len(xte) != len(yte):
-        raise ValueError(f"{name}: features and labels differ in length ({len(xtr)}/{len(ytr)}, {len(xte)}/{len(yte)})")
-    return Dataset(
-        torch.from_numpy(np.ascontiguousarray(xtr, dtype=np.float32)),
-        torch.from_numpy(ytr.astype(np.int64)),
-        torch.from_numpy(np.ascontiguousarray(xte, dtype=np.float32)),
-        torch.from_numpy(yte.astype(np.int64)),
-        int(max(ytr.max(), yte.max())) + 1,
-        name,
-    )
+        xtr, xte = xtr.reshape(len(xtr), -1), xte.reshape(len(xte), -1)
+    return _dataset(f"npz: path={str(file)!r}", xtr, ytr, xte, yte)._replace(name="npz")
 
 
 def _read_idx(path: Path) -> np.ndarray:
-    """An IDX file (MNIST's format): magic 0x0000 08 <ndim>, big-endian dims, unsigned bytes."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+    """An IDX file of unsigned bytes: magic 0x00 0x00 0x08 <ndim>, ndim big-endian uint32 sizes, then the data."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"mnist: {str(path)!r} cannot be read ({e})") from e
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08 or raw[3] == 0:
         raise ValueError(f"mnist: {str(path)!r} is not an IDX file of unsigned bytes (magic {raw[:4].hex()})")
     ndim = raw[3]
-    dims = np.frombuffer(raw, dtype=">u4", count=ndim, offset=4).astype(int)
+    if len(raw) < 4 + 4 * ndim:
+        raise ValueError(f"mnist: {str(path)!r} is truncated inside its {ndim}-dimension header")
+    dims = np.frombuffer(raw, dtype=">u4", count=ndim, offset=4).astype(np.int64)
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
         raise ValueError(f"mnist: {str(path)!r} holds {data.size} bytes of data, its header says {dims.tolist()}")
     return data.reshape(dims)
 
 
+def _find_idx(folder: Path, stem: str) -> Path:
+    # The original names, gzipped or not, and the "train-images.idx3-ubyte" spelling some mirrors use.
+    dotted = stem.replace("-idx", ".idx")
+    for name in (stem, f"{stem}.gz", dotted, f"{dotted}.gz"):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"mnist: path={str(folder)!r} has no {stem} (or {stem}.gz)")
+
+
 def mnist(path: str, flatten: bool = True) -> Dataset:
-    """MNIST from a local folder with the four IDX files (plain or .gz), scaled to [0, 1]."""
+    """MNIST from a local folder with the four IDX files (plain or .gz), pixels scaled to [0, 1], 10 classes.
+
+    Any data set in MNIST's IDX layout and file names (e.g. Fashion-MNIST) loads the same way. `flatten=False` gives
+    (1, 28, 28) images.
+    """
     folder = _exists("mnist", Path(path))
-    arrays = []
-    for stem in (
-        "train-images-idx3-ubyte",
-        "train-labels-idx1-ubyte",
-        "t10k-images-idx3-ubyte",
-        "t10k-labels-idx1-ubyte",
-    ):
-        candidates = [folder / stem, folder / f"{stem}.gz", folder / stem.replace("-idx", ".idx")]
-        found = next((c for c in candidates if c.exists()), None)
-        if found is None:
-            raise FileNotFoundError(f"mnist: path={str(folder)!r} has no {stem} (or {stem}.gz)")
-        arrays.append(_read_idx(found))
-    xtr, ytr, xte, yte = arrays
-    xtr, xte = xtr.astype(np.float32) / 255.0, xte.astype(np.float32) / 255.0
+    files = [_find_idx(folder, stem) for stem in _MNIST_STEMS]
+    xtr, ytr, xte, yte = (_read_idx(f) for f in files)
+    for images, labels, fi, fl in ((xtr, ytr, files[0], files[1]), (xte, yte, files[2], files[3])):
+        if images.ndim != 3 or labels.ndim != 1:
+            raise ValueError(
+                f"mnist: {str(fi)!r} must hold 3-D images and {str(fl)!r} 1-D labels "
+                f"(got {images.ndim}-D and {labels.ndim}-D)"
+            )
+        if len(images) != len(labels):
+            raise ValueError(f"mnist: {str(fi)!r} has {len(images)} images but {str(fl)!r} {len(labels)} labels")
     shape = (-1,) if flatten else (1, xtr.shape[1], xtr.shape[2])
-    return _dataset("mnist", xtr.reshape(len(xtr), *shape), ytr, xte.reshape(len(xte), *shape), yte)
+    xtr = xtr.reshape(len(xtr), *shape).astype(np.float32) / 255.0
+    xte = xte.reshape(len(xte), *shape).astype(np.float32) / 255.0
+    return _dataset("mnist", xtr, ytr, xte, yte, classes=10)
 
 
 def cifar10(path: str, flatten: bool = False) -> Dataset:
-    """CIFAR-10's binary version from a local folder: data_batch_1..5.bin and test_batch.bin, 3,073-byte records."""
+    """CIFAR-10's binary version from a local folder: data_batch_1..5.bin and test_batch.bin.
+
+    Each record is 3,073 bytes: a label 0..9, then a 32x32 image as 1,024 red, 1,024 green, 1,024 blue bytes (row
+    major), so a record reshapes directly to (3, 32, 32). Pixels are scaled to [0, 1]. `path` may also be the folder
+    that holds the extracted `cifar-10-batches-bin`.
+    """
     folder = _exists("cifar10", Path(path))
+    if not (folder / "data_batch_1.bin").exists() and (folder / "cifar-10-batches-bin").is_dir():
+        folder = folder / "cifar-10-batches-bin"
 
-    def read(name: str) -> tuple[np.ndarray, np.ndarray]:
-        file = folder / name
-        if not file.exists():
-            raise FileNotFoundError(f"cifar10: path={str(folder)!r} has no {name}")
-        raw = np.fromfile(file, dtype=np.uint8)
-        if raw.size % 3073:
-            raise ValueError(f"cifar10: {str(file)!r} is {raw.size} bytes, not a whole number of 3073-byte records")
-        records = raw.reshape(-1, 3073)
-        return records[:, 1:].reshape(-1, 3, 32, 32).astype(np.float32) / 255.0, records[:, 0]
+    def read(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        parts = []
+        for name in names:
+            file = folder / name
+            if not file.is_file():
+                raise FileNotFoundError(f"cifar10: path={str(folder)!r} has no {name}")
+            raw = np.fromfile(file, dtype=np.uint8)
+            if raw.size == 0 or raw.size % _CIFAR_RECORD:
+                raise ValueError(
+                    f"cifar10: {str(file)!r} is {raw.size} bytes, not a whole number of {_CIFAR_RECORD}-byte records"
+                )
+            records = raw.reshape(-1, _CIFAR_RECORD)
+            if records[:, 0].max() > 9:
+                raise ValueError(f"cifar10: {str(file)!r} has label {records[:, 0].max()} (must be 0..9)")
+            parts.append(records)
+        # Join the bytes before converting: one float32 copy of the training set instead of two.
+        records = np.concatenate(parts)
+        x = records[:, 1:].reshape(-1, 3, 32, 32).astype(np.float32) / 255.0
+        return (x.reshape(len(x), -1) if flatten else x), records[:, 0]
 
-    train = [read(f"data_batch_{i}.bin") for i in range(1, 6)]
-    xte, yte = read("test_batch.bin")
-    xtr, ytr = np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])
-    if flatten:
-        xtr, xte = xtr.reshape(len(xtr), -1), xte.reshape(len(xte), -1)
-    return _dataset("cifar10", xtr, ytr, xte, yte)
+    xtr, ytr = read([f"data_batch_{i}.bin" for i in range(1, 6)])
+    xte, yte = read(["test_batch.bin"])
+    return _dataset("cifar10", xtr, ytr, xte, yte, classes=10)
 
 
 class Batches:
     """Worker `w`'s `j`-th mini-batch, the same on every runtime.
 
-    Each epoch e draws one permutation perm_e of the training rows from a generator seeded by (seed, e), shared by
-    all workers. With n workers of batch b and spe = M // (n b) steps per epoch, worker w's j-th batch is
-    perm_e[(i n + w) b : (i n + w + 1) b] with e = j // spe, i = j % spe. Within an epoch workers' rows are
-    disjoint, and the n workers' j-th batches together are exactly one worker's j-th batch at batch n b: so BSP
-    with n workers at batch B/n computes the same mean gradient as one worker at batch B.
+    Each epoch e draws one permutation perm_e of the M training rows from a `torch.Generator` seeded with
+    seed * 1_000_003 + e, shared by all workers. With n workers of batch b and spe = M // (n b) steps per epoch,
+    worker w's j-th batch is
+
+        perm_e[(i n + w) b : (i n + w + 1) b]    with e = j // spe, i = j % spe.
+
+    Within an epoch workers' rows are disjoint, and the n workers' j-th batches concatenated in worker order are
+    exactly one worker's j-th batch at batch n b (same rows, same order): so BSP with n workers at batch B/n computes
+    the same mean gradient as one worker at batch B. The last M - spe n b rows of each permutation are skipped.
     """
 
     def __init__(self, dataset: Dataset, workers: int, batch_size: int, seed: int = 0) -> None:
+        if workers < 1:
+            raise ValueError(f"data: {workers=} must be >= 1")
+        if batch_size < 1:
+            raise ValueError(f"data: {batch_size=} must be >= 1")
         rows = len(dataset.y_train)
-        if workers < 1 or batch_size < 1:
-            raise ValueError(f"data: {workers=} and {batch_size=} must be >= 1")
         self.steps_per_epoch = rows // (workers * batch_size)
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -196,6 +271,8 @@ class Batches:
                 f"{workers} x {batch_size}"
             )
         self.dataset, self.workers, self.batch_size, self.seed = dataset, workers, batch_size, seed
+        # `batch` is called once per gradient: draw each epoch's permutation once. Workers drift apart by a few
+        # epochs at most under async policies, so a small cache holds every epoch in use.
         self._perm = lru_cache(maxsize=64)(self._permutation)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
@@ -203,11 +280,15 @@ class Batches:
         return torch.randperm(len(self.dataset.y_train), generator=gen)
 
     def epoch_of(self, index: int) -> int:
+        """The epoch a worker's `index`-th batch belongs to."""
         return index // self.steps_per_epoch
 
     def batch(self, worker: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Worker `worker`'s `index`-th mini-batch (features, labels): new tensors, safe to modify."""
         if not 0 <= worker < self.workers:
             raise ValueError(f"data: {worker=} outside 0..{self.workers - 1}")
+        if index < 0:
+            raise ValueError(f"data: {index=} must be >= 0")
         e, i = divmod(index, self.steps_per_epoch)
         b = self.batch_size
         start = (i * self.workers + worker) * b

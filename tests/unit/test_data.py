@@ -1,0 +1,292 @@
+"""Data sets, the local-file loaders (on real tiny files) and the per-worker batch rule."""
+
+from __future__ import annotations
+
+import gzip
+import inspect
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from collsync import data as data_module
+from collsync.data import Batches, Dataset, cifar10, digits, mnist, npz, synthetic
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+# --- bundled and generated data ---------------------------------------------------------------------------------
+
+
+def test_digits_is_bundled_scaled_and_split_by_seed():
+    data = digits()
+    assert len(data.y_train) + len(data.y_test) == 1797
+    assert len(data.y_test) == round(1797 * 0.25)
+    assert data.classes == 10 and data.name == "digits" and data.input_shape == (64,)
+    assert data.x_train.dtype == torch.float32 and data.y_train.dtype == torch.int64
+    assert float(data.x_train.min()) == 0.0 and float(data.x_train.max()) == 1.0  # 16 / 16
+    assert set(data.y_train.tolist()) == set(range(10))
+    images = digits(flatten=False)
+    assert images.input_shape == (1, 8, 8)
+    assert torch.equal(images.x_train.reshape(len(images.x_train), -1), data.x_train)
+    assert torch.equal(digits().x_train, data.x_train)
+    assert not torch.equal(digits(seed=1).y_train, data.y_train)
+    with pytest.raises(ValueError, match=r"digits: test_fraction=1\.0 must be in \(0, 1\)"):
+        digits(test_fraction=1.0)
+
+
+def test_synthetic_is_seeded_and_learnable():
+    data = synthetic(samples=800, features=10, classes=5, noise=0.1, seed=3)
+    assert data.input_shape == (10,) and data.classes == 5 and len(data.y_train) + len(data.y_test) == 800
+    assert data.x_train.dtype == torch.float32
+    again = synthetic(samples=800, features=10, classes=5, noise=0.1, seed=3)
+    assert torch.equal(again.x_train, data.x_train) and torch.equal(again.y_test, data.y_test)
+    assert not torch.equal(synthetic(samples=800, features=10, classes=5, seed=4).x_train, data.x_train)
+    # Learnable: nearest class mean of the training rows classifies the test rows.
+    means = torch.stack([data.x_train[data.y_train == k].mean(0) for k in range(5)])
+    predicted = torch.cdist(data.x_test, means).argmin(1)
+    assert (predicted == data.y_test).float().mean() > 0.95
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"samples": 5, "classes": 4}, r"synthetic: samples=5 must be >= 2 \* classes=8"),
+        ({"classes": 1}, "synthetic: classes=1 must be >= 2"),
+        ({"features": 0}, "synthetic: features=0 must be >= 1"),
+        ({"noise": -0.5}, "synthetic: noise=-0.5 must be >= 0"),
+        ({"test_fraction": 0.0}, "synthetic: test_fraction=0.0 must be in"),
+    ],
+)
+def test_synthetic_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        synthetic(**kwargs)
+
+
+# --- the batch rule -----------------------------------------------------------------------------------------------
+
+
+def _rows(m: int) -> Dataset:
+    """A data set whose features are the row numbers: batches show which rows they hold."""
+    x = torch.arange(m, dtype=torch.float32).unsqueeze(1)
+    return Dataset(x, torch.arange(m) % 3, x[:4], torch.arange(4) % 3, 3, "rows")
+
+
+@pytest.mark.parametrize(("workers", "batch"), [(4, 6), (3, 5), (2, 16), (1, 7)])
+def test_n_workers_tile_one_worker_at_n_times_the_batch(workers, batch):
+    data = synthetic(samples=400, features=5, classes=3)
+    many, one = Batches(data, workers, batch, seed=5), Batches(data, 1, workers * batch, seed=5)
+    assert many.steps_per_epoch == one.steps_per_epoch
+    for j in (0, 1, many.steps_per_epoch - 1, many.steps_per_epoch, 3 * many.steps_per_epoch + 2):
+        x_big, y_big = one.batch(0, j)
+        parts = [many.batch(w, j) for w in range(workers)]
+        assert torch.equal(torch.cat([x for x, _ in parts]), x_big)  # bitwise, same order
+        assert torch.equal(torch.cat([y for _, y in parts]), y_big)
+
+
+def test_the_rule_is_exactly_the_documented_slice():
+    m, n, b, seed = 103, 3, 4, 7
+    batches = Batches(_rows(m), n, b, seed=seed)
+    spe = m // (n * b)
+    assert batches.steps_per_epoch == spe == 8
+    for w in range(n):
+        for j in (0, 5, spe, 2 * spe + 3):
+            e, i = j // spe, j % spe
+            perm = torch.randperm(m, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))
+            x, y = batches.batch(w, j)
+            assert x[:, 0].long().tolist() == perm[(i * n + w) * b : (i * n + w + 1) * b].tolist()
+            assert torch.equal(y, x[:, 0].long() % 3)
+            assert batches.epoch_of(j) == e
+
+
+def test_workers_rows_are_disjoint_within_an_epoch_and_reshuffled_across():
+    m, n, b = 100, 4, 5
+    batches = Batches(_rows(m), n, b, seed=1)
+    spe = batches.steps_per_epoch
+
+    def epoch(e: int) -> list[int]:
+        return [int(r) for j in range(e * spe, (e + 1) * spe) for w in range(n) for r in batches.batch(w, j)[0][:, 0]]
+
+    first, second = epoch(0), epoch(1)
+    assert len(first) == len(set(first)) == spe * n * b == 100
+    assert len(set(second)) == 100 and first != second
+    assert all(batches.epoch_of(j) == 1 for j in range(spe, 2 * spe))
+
+
+def test_batches_are_seeded_and_order_free():
+    data = _rows(64)
+    a, b = Batches(data, 2, 4, seed=3), Batches(data, 2, 4, seed=3)
+    forward = [a.batch(w, j)[0] for j in range(20) for w in range(2)]
+    backward = [b.batch(w, j)[0] for j in reversed(range(20)) for w in reversed(range(2))][::-1]
+    assert all(torch.equal(x, y) for x, y in zip(forward, backward, strict=True))
+    assert not torch.equal(Batches(data, 2, 4, seed=4).batch(0, 0)[0], a.batch(0, 0)[0])
+
+
+def test_batches_reject_bad_shapes():
+    data = _rows(50)
+    with pytest.raises(ValueError, match=r"50 training rows, fewer than workers x batch_size = 8 x 7"):
+        Batches(data, 8, 7)
+    with pytest.raises(ValueError, match="workers=0 must be >= 1"):
+        Batches(data, 0, 4)
+    with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):
+        Batches(data, 2, 0)
+    batches = Batches(data, 2, 4)
+    with pytest.raises(ValueError, match=r"worker=2 outside 0\.\.1"):
+        batches.batch(2, 0)
+    with pytest.raises(ValueError, match="index=-1 must be >= 0"):
+        batches.batch(0, -1)
+
+
+# --- local files ----------------------------------------------------------------------------------------------------
+
+
+def _idx(path: Path, array: np.ndarray, zipped: bool = False) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
+    raw = header + array.astype(np.uint8).tobytes()
+    with gzip.open(path, "wb") if zipped else open(path, "wb") as f:
+        f.write(raw)
+
+
+def _mnist_folder(folder: Path, zipped: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    folder.mkdir(exist_ok=True)
+    images = (np.arange(4 * 28 * 28).reshape(4, 28, 28) % 256).astype(np.uint8)
+    suffix = ".gz" if zipped else ""
+    _idx(folder / f"train-images-idx3-ubyte{suffix}", images, zipped)
+    _idx(folder / f"train-labels-idx1-ubyte{suffix}", np.array([1, 2, 3, 4]), zipped)
+    _idx(folder / f"t10k-images-idx3-ubyte{suffix}", images[:2], zipped)
+    _idx(folder / f"t10k-labels-idx1-ubyte{suffix}", np.array([0, 9]), zipped)
+    return images, np.array([1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("zipped", [False, True], ids=["plain", "gz"])
+def test_mnist_reads_idx_files(tmp_path, zipped):
+    images, labels = _mnist_folder(tmp_path, zipped)
+    data = mnist(str(tmp_path))
+    assert data.name == "mnist" and data.classes == 10
+    assert data.x_train.shape == (4, 784) and data.x_test.shape == (2, 784)
+    assert data.x_train.dtype == torch.float32 and data.y_train.tolist() == labels.tolist()
+    assert data.y_test.tolist() == [0, 9]
+    expected = torch.from_numpy(images.reshape(4, -1).astype(np.float32) / 255.0)
+    assert torch.equal(data.x_train, expected)
+    assert float(data.x_train[0, 255]) == 1.0 and float(data.x_train[0, 0]) == 0.0
+    assert mnist(str(tmp_path), flatten=False).input_shape == (1, 28, 28)
+
+
+def test_mnist_fails_clearly(tmp_path):
+    _mnist_folder(tmp_path)
+    labels = tmp_path / "t10k-labels-idx1-ubyte"
+    labels.write_bytes(b"\x01\x02\x03\x04\x00")
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte' is not an IDX file .*magic 01020304"):
+        mnist(str(tmp_path))
+    labels.write_bytes(bytes([0, 0, 0x0D, 1]) + struct.pack(">I", 1) + b"\x00" * 4)  # float32 IDX: not MNIST's
+    with pytest.raises(ValueError, match=r"not an IDX file of unsigned bytes \(magic 00000d01\)"):
+        mnist(str(tmp_path))
+    labels.write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", 5) + b"\x00\x01")  # says 5 labels, holds 2
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte' holds 2 bytes of data, its header says \[5\]"):
+        mnist(str(tmp_path))
+    _idx(labels, np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"has 2 images but .*t10k-labels-idx1-ubyte' 3 labels"):
+        mnist(str(tmp_path))
+    labels.unlink()
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte\.gz' cannot be read"):
+        mnist(str(tmp_path))
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no t10k-labels-idx1-ubyte \(or t10k-labels-idx1-ubyte\.gz\)"):
+        mnist(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        mnist(str(tmp_path / "nowhere"))
+
+
+def _cifar_folder(folder: Path, per_file: int = 2) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+    for f, name in enumerate(names):
+        records = []
+        for r in range(per_file):
+            label = (f * per_file + r) % 10
+            # Red plane 51, green plane 102, blue plane 255: the channel order must survive the reshape.
+            planes = np.concatenate([np.full(1024, 51), np.full(1024, 102), np.full(1024, 255)])
+            records.append(np.concatenate([[label], planes]))
+        np.concatenate(records).astype(np.uint8).tofile(folder / name)
+
+
+def test_cifar10_reads_binary_records(tmp_path):
+    _cifar_folder(tmp_path / "c")
+    data = cifar10(str(tmp_path / "c"))
+    assert data.name == "cifar10" and data.classes == 10
+    assert data.x_train.shape == (10, 3, 32, 32) and data.x_test.shape == (2, 3, 32, 32)
+    assert data.y_train.tolist() == list(range(10)) and data.y_test.tolist() == [0, 1]
+    assert float(data.x_train[:, 0].min()) == float(data.x_train[:, 0].max()) == pytest.approx(0.2)
+    assert float(data.x_train[:, 1].max()) == pytest.approx(0.4) and float(data.x_train[:, 2].max()) == 1.0
+    assert cifar10(str(tmp_path / "c"), flatten=True).input_shape == (3072,)
+    # The folder that holds the extracted archive works too.
+    _cifar_folder(tmp_path / "outer" / "cifar-10-batches-bin")
+    assert cifar10(str(tmp_path / "outer")).x_train.shape == (10, 3, 32, 32)
+
+
+def test_cifar10_fails_clearly(tmp_path):
+    _cifar_folder(tmp_path)
+    (tmp_path / "test_batch.bin").write_bytes(b"\x00" * 3000)
+    with pytest.raises(ValueError, match=r"test_batch\.bin' is 3000 bytes, not a whole number of 3073-byte records"):
+        cifar10(str(tmp_path))
+    np.concatenate([[12], np.zeros(3072)]).astype(np.uint8).tofile(tmp_path / "test_batch.bin")
+    with pytest.raises(ValueError, match=r"test_batch\.bin' has label 12"):
+        cifar10(str(tmp_path))
+    (tmp_path / "data_batch_3.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no data_batch_3\.bin"):
+        cifar10(str(tmp_path))
+
+
+def test_npz_reads_the_documented_keys(tmp_path):
+    rng = np.random.default_rng(0)
+    x_train, x_test = rng.random((6, 2, 3)), rng.random((3, 2, 3))
+    file = tmp_path / "d.npz"
+    np.savez(file, x_train=x_train, y_train=np.array([0, 1, 2, 0, 1, 4]), x_test=x_test, y_test=np.array([1.0, 0, 2]))
+    data = npz(str(file))
+    assert data.name == "npz" and data.classes == 5 and data.input_shape == (6,)
+    assert torch.equal(data.x_train, torch.from_numpy(x_train.reshape(6, -1).astype(np.float32)))
+    assert data.y_test.dtype == torch.int64 and data.y_test.tolist() == [1, 0, 2]
+    assert npz(str(file), flatten=False).input_shape == (2, 3)
+
+
+def test_npz_fails_clearly(tmp_path):
+    file = tmp_path / "d.npz"
+    np.savez(file, x_train=np.zeros((4, 2)), y_train=np.array([0, 1, 0, 1]), x_test=np.zeros((2, 2)))
+    with pytest.raises(ValueError, match=r"d\.npz' lacks array\(s\) \['y_test'\]"):
+        npz(str(file))
+    with pytest.raises(FileNotFoundError, match=r"npz: path='.*nope\.npz' does not exist"):
+        npz(str(tmp_path / "nope.npz"))
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    with pytest.raises(ValueError, match=r"one\.npy' holds a single array"):
+        npz(str(tmp_path / "one.npy"))
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    with pytest.raises(ValueError, match=r"junk\.npz' is not a readable \.npz archive"):
+        npz(str(tmp_path / "junk.npz"))
+    np.savez(file, x_train=np.zeros((2, 2)), y_train=np.array([0, -1]), x_test=np.zeros((1, 2)), y_test=np.array([0]))
+    with pytest.raises(ValueError, match="train labels must be >= 0"):
+        npz(str(file))
+    np.savez(file, x_train=np.zeros((3, 2)), y_train=np.array([0, 1]), x_test=np.zeros((1, 2)), y_test=np.array([0]))
+    with pytest.raises(ValueError, match="must have the same rows"):
+        npz(str(file))
+
+
+# --- configs ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["digits", "synthetic", "npz", "mnist", "cifar10"])
+def test_data_configs_name_the_factory_kwargs(option):
+    cfg = OmegaConf.load(CONF / "data" / f"{option}.yaml")
+    assert cfg._target_ == f"collsync.data.{option}"
+    params = inspect.signature(getattr(data_module, option)).parameters
+    for key in cfg:
+        if key == "_target_":
+            continue
+        assert key in params
+        if OmegaConf.is_missing(cfg, key):
+            assert params[key].default is inspect.Parameter.empty  # a required value stays required
+        else:
+            assert cfg[key] == params[key].default
