@@ -56,10 +56,10 @@ def _fail(message: str) -> None:
         sys.exit(2)
     from mpi4py import MPI
 
-    from collsync.runtime.mpi_world import rank_prefix
+    from collsync.runtime.mpi_world import abort, rank_prefix
 
     print(f"collsync-train: {rank_prefix(MPI.COMM_WORLD)}: error: {message}", file=sys.stderr, flush=True)
-    MPI.COMM_WORLD.Abort(2)
+    abort(MPI.COMM_WORLD, 2)
 
 
 def _shared_run_dir() -> None:

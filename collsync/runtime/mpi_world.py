@@ -6,13 +6,14 @@ import contextlib
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from collsync.runtime.spec import launched_under_mpi
 
-__all__ = ["launcher_size", "launched_under_mpi", "rank_prefix", "abort_on_error", "world", "set_threads"]
+__all__ = ["launcher_size", "launched_under_mpi", "rank_prefix", "abort", "abort_on_error", "world", "set_threads"]
 
 
 def launcher_size(env: Mapping[str, str] | None = None) -> int | None:
@@ -60,6 +61,20 @@ def set_threads(comm: Any) -> int:
     return threads
 
 
+# How long a failing rank waits between writing its message and aborting. MPI_Abort has the launcher kill every
+# process at once, and output still in the pipes to the launcher's proxies is lost with them (seen with MPICH's
+# Hydra: the error line vanished in about one run of ten); a moment's wait lets the proxies forward it first.
+ABORT_GRACE_S = 1.0
+
+
+def abort(comm: Any, code: int) -> None:
+    """Abort the world with `code` once this rank's stdout and stderr have had time to reach the launcher."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(code)
+
+
 @contextlib.contextmanager
 def abort_on_error(comm: Any, user_errors: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """An exception on one rank prints its attributed message and aborts the world, which would otherwise hang."""
@@ -74,4 +89,4 @@ def abort_on_error(comm: Any, user_errors: tuple[type[BaseException], ...] = ())
             print(f"collsync: {rank_prefix(comm)}: unhandled error:", file=sys.stderr, flush=True)
             traceback.print_exc()
             sys.stderr.flush()
-        comm.Abort(1 if not isinstance(exc, user_errors) else 2)
+        abort(comm, 1 if not isinstance(exc, user_errors) else 2)

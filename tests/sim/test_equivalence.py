@@ -119,3 +119,48 @@ def test_bfasgd_transmits_less_as_c_grows_and_settles_every_push():
         ratios.append((s["push_ratio"], s["fetch_ratio"]))
     assert ratios[0] == (1.0, 1.0)
     assert ratios[1][0] < 0.9 and ratios[1][1] < 0.9
+
+
+METHODS = [
+    "asgd",
+    "nag_asgd",
+    "sa",
+    "sa_step",
+    "sasgd",
+    "ga",
+    "dana",
+    "dana_sa",
+    "dana_ga",
+    "adam",
+    "adam_sa",
+    "adam_ga",
+    "fasgd",
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_async_method_with_one_worker_is_sequential_training(method):
+    """One asynchronous worker never sees a stale gradient: the simulated run equals feeding the server by hand,
+    gradient after gradient, each computed on the parameters it just published."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from collsync.cli import CONF_DIR
+    from collsync.rules import combine
+    from collsync.server import Server
+    from collsync.types import Arrival
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"method={method}", "sync=async"])
+    build = lambda: combine(instantiate(cfg.penalty), instantiate(cfg.optimizer))  # noqa: E731
+    penalty, optimizer = build()
+    simulated, _ = simulate(asynchronous(), 1, steps=15, optimizer=optimizer, penalty=penalty, stragglers=HETERO)
+
+    penalty, optimizer = build()
+    flat = flat_model(0)
+    grads = Gradients(flat, Batches(DATA, 1, 8, 0))
+    by_hand = Server(flat.params, optimizer, asynchronous(), 1, penalty=penalty, steps=15, ema_decay=0.9)
+    for j in range(15):
+        by_hand.accept(Arrival(0, by_hand.version, grads(by_hand.view(), 0, j), by_hand.version))
+    assert torch.equal(simulated.params, by_hand.params)
+    assert all(s == 0 for e in _.trace.of("apply") for s in e["staleness"])
