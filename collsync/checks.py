@@ -18,13 +18,18 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
 
     * updates are numbered 1, 2, 3, ... and time never goes backwards;
     * every pushed gradient is applied exactly once or dropped exactly once;
-    * rounds: an update aggregates only gradients of its own round, each worker at most once, exactly `quorum` of
-      them (fewer only where a timeout flushed); a worker starts round c only on version >= c - max_lead;
+    * an update aggregates `quorum` gradients (a round with a timeout: from `quorum` to every worker; a stream with
+      one: 1 to `quorum`);
+    * rounds: an update aggregates only gradients of its own round, each worker at most once; a worker starts
+      round c only on version >= c - max_lead;
     * staleness is never negative.
     """
     events = trace.events if isinstance(trace, Trace) else list(trace)
     errors: list[str] = []
-    quorum = policy.quorum_for(workers)
+    # An update takes exactly `quorum` gradients, except where a collection timeout lets it take fewer (a stream
+    # flushed early) or more (a round that waited for every worker, up to the timeout after its quorum).
+    quorum, full = policy.quorum_for(workers), policy.full_for(workers)
+    least = 1 if policy.timeout is not None and not policy.rounds else quorum
     pushed: Counter[tuple[int, int, int]] = Counter()
     settled: Counter[tuple[int, int, int]] = Counter()
     last_t, updates = float("-inf"), 0
@@ -54,8 +59,8 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
                 if len(set(e["workers"])) != len(e["workers"]):
                     errors.append(f"round {round_} took a worker twice: {e['workers']}")
             count = len(e["workers"])
-            if count > quorum or (count < quorum and policy.timeout is None):
-                errors.append(f"update {e['version']} aggregated {count} gradients, quorum is {quorum}")
+            if not least <= count <= full:
+                errors.append(f"update {e['version']} aggregated {count} gradients, not in [{least}, {full}]")
     for key in pushed.keys() | settled.keys():
         if pushed[key] != settled[key]:
             w, c, v = key

@@ -10,6 +10,7 @@ The simulator drives the same `Worker` and `Server` from its event queue; MPI ru
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,20 +105,30 @@ def run_worker(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat) ->
 
 
 def run_server(server: Server, mailbox: Mailbox, on_update: Callable[[Server], None] | None = None) -> Server:
-    """Receive, accept, publish until `server.done`; then drop what is still in flight."""
+    """Receive, accept, publish until `server.done`; then drop what is still in flight.
+
+    Two clocks run here, as in the simulator: the policy's collection `timeout` starts once per update when the
+    server starts collecting (`Server.collecting`) and flushes the update when it fires; the `deadline` is the
+    longest the server waits for any gradient at all before it names the workers it waits on.
+    """
     policy = server.policy
     mailbox.publish(server.view(), server.stamp())
-    wait = policy.timeout or policy.deadline
+    flush_at: float | None = None
+    armed: int | None = None
     while not server.done:
+        if policy.timeout is not None and server.collecting() and armed != server.version:
+            armed, flush_at = server.version, time.monotonic() + policy.timeout
+        wait = policy.deadline if flush_at is None else max(0.0, flush_at - time.monotonic())
         arrival = mailbox.recv(timeout=wait)
         before = server.version
         if arrival is not None:
             server.accept(arrival)
-        elif policy.timeout is not None:
+        elif flush_at is not None and time.monotonic() >= flush_at:
             server.flush()
-        else:
+        elif flush_at is None:
             raise TimeoutError(_stuck_message(server))
         if server.version != before:
+            flush_at = None
             mailbox.publish(server.view(), server.stamp())
             if on_update is not None:
                 on_update(server)
@@ -140,17 +151,23 @@ def run_allreduce(
     collective: Collective,
     grads: GradFn,
     on_update: Callable[[Server], None] | None = None,
+    *,
+    averaged: bool = False,
 ) -> Server:
     """Serverless BSP: every rank holds a replica of the server; the mean gradient comes from an allreduce.
 
     Each replica applies the same mean with the same rule, so replicas stay identical without a broadcast.
+    `averaged=True`: `grads` returns the mean over ranks already (`mpi_coll.BucketReducer.averaged` reduces it in
+    buckets during the backward pass), so no allreduce is added here.
     """
     worker = Worker(collective.rank, server.policy)
     while not server.done:
         stamp = server.stamp()
         worker.begin(stamp)
         # The gradient function copies the view into the model itself: no copy of our own here.
-        g = collective.allreduce_mean(grads(server.view(), collective.rank, worker.steps))
+        g = grads(server.view(), collective.rank, worker.steps)
+        if not averaged:
+            g = collective.allreduce_mean(g)
         worker.steps += 1
         server.apply_mean(g, [Arrival(r, stamp.version, g, stamp.version) for r in range(collective.size)])
         if on_update is not None:

@@ -7,11 +7,21 @@ A policy is a frozen dataclass of plain values, validated where it is written. T
   (000_... Alg. 3-4: "stale gradients dropped"). A worker may start round c once the server reached version
   c - max_lead: max_lead = 0 is BSP/backup, max_lead = s is SSP with bound s (004_... §II-C), so SSP with s = 0 is
   BSP by construction.
-* **stream** (ASGD, PSP): every gradient is applied, in groups of `quorum` (1 for ASGD), whatever its version.
+* **stream** (ASGD): every gradient is applied, in groups of `quorum` (1 for ASGD), whatever its version.
+
+A `timeout` is a collection deadline (000_... §6, 003_... tau1). In a stream, it applies whatever arrived (at least
+one gradient) `timeout` seconds after the first gradient of an update. In rounds, a round with a timeout waits for
+*every* worker, but no longer than `timeout` seconds after its `quorum`-th gradient: PSP's partial push (at least c,
+then up to tau1 more, or all n), and SSP with a timeout (quorum 1: a frozen worker cannot hold the others).
+
+With parameter-server shards, `pull_fraction` and `pull_timeout` are PSP's partial pull (003_... Alg. 1, worker
+lines 8-15): a worker starts once that fraction of the shards published the round it needs, then waits at most
+`pull_timeout` seconds for the rest, computing on the blocks it already has for those that did not.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -28,6 +38,9 @@ class SyncPolicy:
     deadline: float | None = None
     c_push: float | None = None
     c_fetch: float | None = None
+    pull_fraction: float = 1.0
+    pull_timeout: float | None = None
+    push_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.backups < 0:
@@ -42,7 +55,13 @@ class SyncPolicy:
             raise ValueError(f"{self.name}: a round policy needs max_lead >= 0")
         if self.rounds and self.max_lead and self.backups:
             raise ValueError(f"{self.name}: SSP (max_lead={self.max_lead}) cannot drop backups ({self.backups=})")
-        for key in ("timeout", "deadline"):
+        for key in ("pull_fraction", "push_fraction"):
+            value = getattr(self, key)
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"{self.name}: {key}={value!r} must be in (0, 1]")
+        if self.push_fraction is not None and (self.quorum is not None or self.backups):
+            raise ValueError(f"{self.name}: push_fraction={self.push_fraction} and quorum/backups both set the quorum")
+        for key in ("timeout", "deadline", "pull_timeout"):
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"{self.name}: {key}={value!r} must be > 0 seconds")
@@ -66,6 +85,11 @@ class SyncPolicy:
         if self.quorum is not None and self.backups and self.quorum != workers - self.backups:
             raise ValueError(f"{self.name}: quorum={self.quorum} contradicts backups={self.backups} of {workers=}")
 
+    def full_for(self, workers: int) -> int:
+        """How many gradients an update takes at most (and at once): `quorum`, or every worker for a round with a
+        collection timeout (which waits for all of them, up to the timeout after the `quorum`-th)."""
+        return workers if self.rounds and self.timeout is not None else self.quorum_for(workers)
+
     @property
     def bandwidth_aware(self) -> bool:
         """B-FASGD (002_... eq. 9): workers push and fetch with a probability set by the server's v."""
@@ -75,6 +99,8 @@ class SyncPolicy:
         """The number of gradients one update averages (the divisor N of 000_... Alg. 4)."""
         if self.quorum is not None:
             return self.quorum
+        if self.push_fraction is not None:  # c = ceil(fraction x n), at least one gradient
+            return max(1, math.ceil(self.push_fraction * workers - 1e-9))
         return workers - self.backups if self.rounds else 1
 
     def may_start(self, clock: int, version: int) -> bool:
@@ -103,7 +129,8 @@ def backup(backups: int = 1, deadline: float | None = None) -> SyncPolicy:
 def asynchronous(
     quorum: int = 1, timeout: float | None = None, c_push: float | None = None, c_fetch: float | None = None
 ) -> SyncPolicy:
-    """ASGD (001_... Alg. 1-2) with quorum 1; with quorum c > 1 and a timeout, the partial push of PSP (003_...).
+    """ASGD (001_... Alg. 1-2) with quorum 1; with quorum c > 1, updates of c gradients, and with a `timeout`, an
+    update of whatever came within `timeout` seconds of its first gradient (for PSP's rounds, see `psp`).
 
     `c_push` / `c_fetch` make it B-FASGD (002_... eq. 9, with optimizer=fasgd): at each opportunity a worker
     pushes (fetches) iff r < 1 / (1 + c / (v + eps)), r uniform in [0, 1); a skipped push re-applies the worker's
@@ -114,6 +141,40 @@ def asynchronous(
     )
 
 
-def ssp(max_lead: int = 3, deadline: float | None = None) -> SyncPolicy:
-    """Stale-synchronous parallel (004_... §II-C): a worker may run at most `max_lead` rounds ahead of the slowest."""
-    return SyncPolicy("ssp", max_lead=max_lead, deadline=deadline)
+def ssp(max_lead: int = 3, timeout: float | None = None, deadline: float | None = None) -> SyncPolicy:
+    """Stale-synchronous parallel (004_... §II-C): a worker may run at most `max_lead` rounds ahead of the slowest.
+
+    With a `timeout`, a round is applied with the gradients that came within `timeout` seconds of its first one,
+    so a frozen worker stops counting as the slowest (its late gradients are dropped).
+    """
+    return SyncPolicy("ssp", max_lead=max_lead, deadline=deadline, timeout=timeout, quorum=1 if timeout else None)
+
+
+def psp(
+    pushes: int | None = None,
+    push_fraction: float | None = 0.875,
+    timeout: float | None = None,
+    pull_fraction: float = 0.9,
+    pull_timeout: float | None = None,
+    deadline: float | None = None,
+) -> SyncPolicy:
+    """PSP-SGD (003_... Alg. 1): partially synchronous rounds.
+
+    Partial push (server lines 5-12): round t is applied once `pushes` (c) gradients of round t came and then either
+    every worker responded or `timeout` (tau1) seconds passed; gradients of earlier rounds are dropped. `pushes`
+    None takes c = ceil(`push_fraction` x n) instead (None: every worker). Partial pull (worker lines 8-15): with
+    M >= 2 server shards (`runtime.servers=M`), a worker starts once `pull_fraction` (b) of the shards have the
+    round it needs, waiting at most `pull_timeout` (tau2) seconds more for the rest. The paper's learning rate
+    scaled by the number d of aggregated gradients is `linear_scaling=true` (eta tuned for c). The defaults are
+    the paper's "push:28 of 32, pull:0.9" setting (§5), and like its experiments no timeouts (tau1 = tau2 = 0:
+    None here, proceed as soon as the minimum is met).
+    """
+    return SyncPolicy(
+        "psp",
+        quorum=pushes,
+        push_fraction=None if pushes is not None else push_fraction,
+        timeout=timeout,
+        pull_fraction=pull_fraction,
+        pull_timeout=pull_timeout,
+        deadline=deadline,
+    )

@@ -44,6 +44,7 @@ class Server:
         self.policy = policy
         self.workers = workers
         self.quorum = policy.quorum_for(workers)
+        self.full = policy.full_for(workers)
         self.steps = steps
         self.ema_decay = ema_decay
         self.ema = self.params.clone() if ema_decay is not None else None
@@ -108,11 +109,20 @@ class Server:
         self._advance()
         return True
 
+    def collecting(self) -> bool:
+        """Whether the policy's collection timeout should be running for the current update: a stream with a
+        gradient waiting, or a round that has its `quorum` but not yet every worker (003_... tau1)."""
+        if self.policy.timeout is None or self.done:
+            return False
+        waiting = len(self.pending.get(self.version if self.policy.rounds else -1, ()))
+        return waiting >= (self.quorum if self.policy.rounds else 1)
+
     def flush(self) -> bool:
-        """Apply what has arrived for the current update although fewer than `quorum` came (a timeout fired)."""
+        """The collection timeout fired: apply what has arrived for the current update (a stream: anything; a
+        round: at least `quorum`) although not every gradient the update could take came."""
         key = self.version if self.policy.rounds else -1
         batch = self.pending.pop(key, [])
-        if not batch or self.done:
+        if not batch or self.done or (self.policy.rounds and len(batch) < self.quorum):
             self.pending.update({key: batch} if batch else {})
             return False
         self._apply(batch)
@@ -128,11 +138,12 @@ class Server:
 
     def _advance(self) -> None:
         key = (lambda: self.version) if self.policy.rounds else (lambda: -1)
-        while not self.done and len(self.pending.get(key(), ())) >= self.quorum:
+        full = self.full
+        while not self.done and len(self.pending.get(key(), ())) >= full:
             batch = self.pending.pop(key())
-            self._apply(batch[: self.quorum])
-            if batch[self.quorum :]:
-                self.pending[key()] = batch[self.quorum :]
+            self._apply(batch[:full])
+            if batch[full:]:
+                self.pending[key()] = batch[full:]
         if self.done:
             # Gradients buffered for later rounds (SSP) can never be applied now.
             self.drain()

@@ -60,10 +60,24 @@ def build(cfg: DictConfig) -> Parts:
 
 
 class Evaluator:
-    """Test accuracy of theta and of its EMA every `every` updates (and at the end), into the trace."""
+    """Test accuracy of theta and of its EMA every `every` updates (and at the end), into the trace.
 
-    def __init__(self, flat: FlatModel, data: Any, trace: Trace, every: int, progress: Any = None) -> None:
+    `assemble(server)` gives the full (params, ema) to evaluate when the server holds one shard of them; with
+    `final_later`, the evaluation at the end is left to the caller (`record`), once every shard has finished.
+    """
+
+    def __init__(
+        self,
+        flat: FlatModel,
+        data: Any,
+        trace: Trace,
+        every: int,
+        progress: Any = None,
+        assemble: Callable[[Server], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+        final_later: bool = False,
+    ) -> None:
         self.flat, self.data, self.trace, self.every, self.progress = flat, data, trace, every, progress
+        self.assemble, self.final_later = assemble, final_later
 
     def accuracy(self, params: torch.Tensor) -> tuple[float, float]:
         self.flat.load(params)
@@ -78,11 +92,17 @@ class Evaluator:
             self.progress.update(server.version - self.progress.n)
         if server.version % self.every and not server.done and server.version:
             return
-        acc, loss = self.accuracy(server.params)
+        if server.done and self.final_later:
+            return
+        params, ema = self.assemble(server) if self.assemble is not None else (server.params, server.ema)
+        self.record(server.version, params, ema)
+
+    def record(self, version: int, params: torch.Tensor, ema: torch.Tensor | None) -> None:
+        acc, loss = self.accuracy(params)
         fields: dict[str, float] = {"acc": acc, "loss": loss}
-        if server.ema is not None:
-            fields["ema_acc"], fields["ema_loss"] = self.accuracy(server.ema)
-        self.trace.record("eval", version=server.version, **fields)
+        if ema is not None:
+            fields["ema_acc"], fields["ema_loss"] = self.accuracy(ema)
+        self.trace.record("eval", version=version, **fields)
         if self.progress is not None:
             self.progress.set_postfix(acc=f"{acc:.3f}")
 
@@ -99,6 +119,10 @@ def _check_fit(parts: Parts, workers: int | None) -> None:
         raise ValueError("runtime=allreduce cannot go on past a frozen worker; use runtime=mpi with sync=backup")
     if parts.policy.timeout is not None and parts.runtime.kind == "allreduce":
         raise ValueError("runtime=allreduce has no server to time out; use runtime=mpi")
+    if parts.runtime.kind == "partial":
+        from collsync.loops_partial import check_policy
+
+        check_policy(parts.policy)
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -146,9 +170,12 @@ def _schedule(cfg: DictConfig, parts: Parts, workers: int) -> Rule:
     return optimizer
 
 
-def _server(cfg: DictConfig, parts: Parts, flat: FlatModel, workers: int, trace: Trace) -> Server:
+def _server(
+    cfg: DictConfig, parts: Parts, flat: FlatModel, workers: int, trace: Trace, block: slice | None = None
+) -> Server:
+    """The server of the whole model, or of one shard's `block` of it."""
     return Server(
-        flat.params,
+        flat.params if block is None else flat.params[block],
         _schedule(cfg, parts, workers),
         parts.policy,
         workers,
@@ -166,7 +193,7 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
     comm = world()
     set_threads(comm)
     spec = parts.runtime
-    workers = comm.Get_size() - (spec.servers if spec.kind == "mpi" else 0)
+    workers = comm.Get_size() - (spec.servers if spec.kind == "mpi" else 0)  # serverless: every rank works
     if workers < 1:
         raise ValueError(
             f"runtime={spec.kind}: {comm.Get_size()} rank(s) leave no worker beside {spec.servers} server(s); "
@@ -177,40 +204,140 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
     sampler = parts.stragglers.sampler(workers, int(cfg.seed)) if spec.inject_stragglers else None
     trace = Trace()
     if spec.kind == "allreduce":
-        from collsync.runtime.mpi_coll import MpiCollective
+        from collsync.runtime.mpi_coll import BucketReducer, MpiCollective
 
-        if sampler is not None:
-            grads = _injected(grads, sampler, spec.time_scale, lambda: False)
         coll = MpiCollective(comm)
+        reducer = None
+        if sampler is not None:
+            # An injected delay must hold this rank's gradient back, so the reduction follows it (no overlap).
+            grads = _injected(grads, sampler, spec.time_scale, lambda: False)
+        else:
+            # Gradient buckets are reduced while the backward pass runs; the mean is ready when it returns.
+            reducer = BucketReducer(comm, flat)
+            grads = reducer.averaged(grads)
         server = _server(cfg, parts, flat, workers, trace)
         bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)
         evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
-        run_allreduce(server, coll, grads, on_update=evaluate if coll.rank == 0 else None)
+        run_allreduce(server, coll, grads, on_update=evaluate if coll.rank == 0 else None, averaged=reducer is not None)
         if bar is not None:
             bar.close()
-        return _finish(cfg, parts, server, trace, out_dir) if coll.rank == 0 else None
+        result = _finish(cfg, parts, server, trace, out_dir) if coll.rank == 0 else None
+        # The other ranks sleep, rather than spin in MPI, while rank 0 writes the run folder.
+        (reducer or coll).shutdown()
+        return result
 
-    from collsync.runtime.mpi_rma import WindowMailbox
+    if spec.kind == "partial":
+        return _run_partial(cfg, parts, flat, out_dir, comm, workers, grads, sampler)
+    return _run_shards(cfg, parts, flat, out_dir, comm, workers, grads, sampler)
 
-    mailbox = WindowMailbox(comm, flat.numel)
+
+def _run_partial(
+    cfg: DictConfig,
+    parts: Parts,
+    flat: FlatModel,
+    out_dir: Path,
+    comm: Any,
+    workers: int,
+    grads: GradFn,
+    sampler: Any,
+) -> dict[str, Any] | None:
+    """Serverless backup workers: every rank a worker with a server replica, rounds through a partial allreduce."""
+    from collsync.loops_partial import run_partial
+    from collsync.runtime.mpi_coll import shutdown
+    from collsync.runtime.mpi_partial import PartialAllreduce
+
+    rank = comm.Get_rank()
     if sampler is not None:
-        grads = _injected(grads, sampler, spec.time_scale, lambda: mailbox.peek().done)
+        # A frozen rank never comes back here: the others go on while it is within `depth` rounds, then wait for it
+        # (for at most sync.deadline, then the run fails naming it).
+        grads = _injected(grads, sampler, parts.runtime.time_scale, lambda: False)
+    trace = Trace()
+    pa = PartialAllreduce(
+        comm, flat.numel, dtype=flat.params.dtype, depth=parts.runtime.depth, timeout=parts.policy.deadline
+    )
+    server = _server(cfg, parts, flat, workers, trace)
+    bar = _progress(int(cfg.steps), bool(cfg.progress) and rank == 0)
+    evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
+    if rank == 0:
+        evaluate(server)
+    run_partial(server, pa, grads, on_update=evaluate if rank == 0 else None)
+    if bar is not None:
+        bar.close()
+    pa.free()  # collective; no `finally`: after a failure cli._fail aborts the world
+    result = _finish(cfg, parts, server, trace, out_dir) if rank == 0 else None
+    shutdown(comm)  # the other ranks sleep, rather than spin in MPI, while rank 0 writes the run folder
+    return result
+
+
+def _run_shards(
+    cfg: DictConfig,
+    parts: Parts,
+    flat: FlatModel,
+    out_dir: Path,
+    comm: Any,
+    workers: int,
+    grads: GradFn,
+    sampler: Any,
+) -> dict[str, Any] | None:
+    """Parameter-server shards on MPI windows: ranks 0..M-1 each serve one block, the other ranks are workers."""
+    from collsync.checks import check_trace
+    from collsync.runtime.mpi_shards import ShardedMailbox, open_shards, shard_bounds, snapshot
+
+    spec, rank, servers = parts.runtime, comm.Get_rank(), parts.runtime.servers
+    bounds = shard_bounds(flat.numel, servers)
+    shards = open_shards(comm, flat.numel, servers)
+    trace = Trace()
     # No `finally: free()`: freeing is collective, and after a failure the other ranks are not there to join it;
     # the error reaches cli._fail, which aborts the world instead.
-    if mailbox.is_server:
-        server = _server(cfg, parts, flat, workers, trace)
-        bar = _progress(int(cfg.steps), bool(cfg.progress))
-        evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
-        evaluate(server)
-        run_server(server, mailbox, on_update=evaluate)
-        if bar is not None:
+    if rank < servers:
+        start, stop = bounds[rank]
+        server = _server(cfg, parts, flat, workers, trace, block=slice(start, stop))
+        evaluate = None
+        if rank == 0:
+            bar = _progress(int(cfg.steps), bool(cfg.progress))
+            full = flat.params.clone()
+
+            def assemble(server: Server) -> tuple[torch.Tensor, torch.Tensor | None]:
+                # The other blocks as their servers last published them (their view: theta, or DANA's look-ahead).
+                # Not our own shard: it is published only once run_server starts, after the first evaluation.
+                snapshot(shards[1:], bounds[1:], full)
+                full[start:stop] = server.params
+                return full, None
+
+            evaluate = Evaluator(
+                flat,
+                parts.data,
+                trace,
+                int(cfg.eval_every),
+                bar,
+                assemble=assemble if servers > 1 else None,
+                final_later=servers > 1,
+            )
+            evaluate(server)
+        run_server(server, shards[rank], on_update=evaluate)
+        if rank == 0 and bar is not None:
             bar.close()
-        mailbox.free()
-        return _finish(cfg, parts, server, trace, out_dir)
-    worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
-    run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
-    mailbox.free()
-    return None
+        counts = check_trace(trace, parts.policy, workers)
+        mine: Any = (server.params, server.ema, server.version, counts)
+    else:
+        worker = Worker(shards[0].worker, parts.policy, seed=int(cfg.seed))
+        mailbox = ShardedMailbox(shards, bounds, parts.policy.pull_fraction, parts.policy.pull_timeout)
+        if sampler is not None:
+            grads = _injected(grads, sampler, spec.time_scale, lambda: mailbox.peek().done)
+        run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
+        mine = None
+    blocks = comm.gather(mine, root=0)
+    for shard in shards:
+        shard.free()
+    if rank != 0:
+        return None
+    params = torch.cat([b[0] for b in blocks[:servers]])
+    ema = None if server.ema is None else torch.cat([b[1] for b in blocks[:servers]])
+    if servers > 1:
+        assert evaluate is not None
+        evaluate.record(server.version, params, ema)
+    extra = {"shards": [{"rank": j, "params": list(bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])]}
+    return _finish(cfg, parts, server, trace, out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
 
 
 def _injected(grads: GradFn, sampler: Any, scale: float, finished: Callable[[], bool]) -> GradFn:
@@ -232,19 +359,34 @@ def _injected(grads: GradFn, sampler: Any, scale: float, finished: Callable[[], 
     return slow
 
 
-def _finish(cfg: DictConfig, parts: Parts, server: Server, trace: Trace, out_dir: Path) -> dict[str, Any]:
+def _finish(
+    cfg: DictConfig,
+    parts: Parts,
+    server: Server,
+    trace: Trace,
+    out_dir: Path,
+    *,
+    params: torch.Tensor | None = None,
+    ema: torch.Tensor | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Check the trace, write the run folder (trace, parameters, report) and print the summary. `params` / `ema`
+    are the whole model's when the server held one shard of them."""
     from collsync.checks import check_trace
     from collsync.metrics import format_summary, summary, write_report
 
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = check_trace(trace, parts.policy, server.workers)
     trace.write_jsonl(out_dir / "trace.jsonl")
+    if params is None:
+        params, ema = server.params, server.ema
     torch.save(
-        {"params": server.params, "ema": server.ema, "version": server.version, "config": OmegaConf.to_container(cfg)},
+        {"params": params, "ema": ema, "version": server.version, "config": OmegaConf.to_container(cfg)},
         out_dir / "params.pt",
     )
-    write_report(trace, out_dir, extra={"trace_checks": counts})
-    result = {**summary(trace), "trace_checks": counts}
+    extra = {"trace_checks": counts, **(extra or {})}
+    write_report(trace, out_dir, extra=extra)
+    result = {**summary(trace), **extra}
     print(format_summary(result))
     print(f"run folder: {out_dir}")
     return result

@@ -1,12 +1,23 @@
-"""Collectives over mpi4py for the serverless full-sync path (`runtime=allreduce`)."""
+"""Collectives over mpi4py for the serverless full-sync path (`runtime=allreduce`).
+
+`MpiCollective` averages a whole flat vector at once. `BucketReducer` averages `FlatModel.grads` while the backward
+pass is still running: the gradient is cut into buckets (contiguous slices, last layers first) and each bucket's
+nonblocking `Iallreduce` starts as soon as backward has produced all of it (Horovod's tensor fusion, PyTorch DDP's
+gradient buckets). `shutdown` lets ranks that finish at different times leave together without spinning.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from collsync.flat import FlatModel
 from collsync.types import Flat
+
+DEFAULT_BUCKET_BYTES = 4 * 2**20
 
 
 class MpiCollective:
@@ -46,6 +57,197 @@ class MpiCollective:
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """See `shutdown` below."""
+        shutdown(self.comm, timeout)
+
+
+_IDLE, _ACTIVE, _REDUCED = 0, 1, 2
+
+
+class BucketReducer:
+    """Averages `flat.grads` over `comm` during the backward pass: after `loss.backward()` returns, every rank's
+    `flat.grads` holds the same mean gradient (1/n) sum_r g_r.
+
+    Buckets are contiguous slices of `flat.grads` made of whole parameters, in reverse parameter order (backward
+    produces the last layers first); a bucket closes once it holds at least `bucket_bytes` (so a parameter larger
+    than that is a bucket of its own, and `bucket_bytes=1` gives one parameter per bucket). A post-accumulate-grad
+    hook on each parameter counts it in; when a bucket is complete, `Iallreduce(IN_PLACE, SUM)` starts on it.
+
+    Buckets start strictly in bucket order: MPI requires every rank to start collectives on a communicator in the
+    same order, and backward may finish parameters in a different order on different ranks (a parameter unused on
+    one rank, data-dependent control flow). At the end of backward (a callback queued on autograd's engine, as DDP
+    does) the buckets not yet started start, so a parameter the forward pass did not use cannot hang the step (its
+    gradient counts as whatever `.grad` holds, zero after `FlatModel.zero_grad`); then each bucket is waited on and
+    divided by the world size while it is still in cache. Every rank divides the same sums the same way, so the
+    replicas stay bit-identical.
+
+    `poll`: test the buckets in flight from every hook. MPICH moves a nonblocking collective only while its rank is
+    inside an MPI call, so without this a bucket started early makes no progress until the end of backward.
+
+    One backward pass per step (no gradient accumulation across backward passes: each one is reduced). A rank whose
+    backward reached no parameter at all runs no hook and no callback; it must call `wait()` to join the step's
+    reduction (`averaged` does).
+    """
+
+    def __init__(
+        self, comm: Any, flat: FlatModel, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, poll: bool = True
+    ) -> None:
+        from mpi4py import MPI
+
+        if bucket_bytes < 1:
+            raise ValueError(f"BucketReducer: {bucket_bytes=} must be >= 1")
+        if flat.grads.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"BucketReducer: gradients must be float32 or float64, got {flat.grads.dtype}")
+        self.MPI = MPI
+        self.comm = comm
+        self.flat = flat
+        self.size: int = comm.Get_size()
+        self.poll = poll
+        item = flat.grads.element_size()
+        # Buckets over parameter indices, last parameter first; bucket b spans flat.grads[starts[b]:stops[b]].
+        self.buckets: list[list[int]] = []
+        current: list[int] = []
+        held = 0
+        for i in reversed(range(len(flat.layers))):
+            _, start, stop = flat.layers[i]
+            current.append(i)
+            held += (stop - start) * item
+            if held >= bucket_bytes:
+                self.buckets.append(current)
+                current, held = [], 0
+        if current:
+            self.buckets.append(current)
+        self.slices: list[tuple[int, int]] = [(flat.layers[b[-1]][1], flat.layers[b[0]][2]) for b in self.buckets]
+        self._views = [flat.grads[a:z] for a, z in self.slices]
+        self._arrays = [v.numpy() for v in self._views]
+        self._bucket_of = [0] * len(flat.layers)
+        for b, members in enumerate(self.buckets):
+            for i in members:
+                self._bucket_of[i] = b
+        self._sizes = [len(b) for b in self.buckets]
+        self._missing = list(self._sizes)
+        self._next = 0
+        self._requests: list[Any] = []
+        self._state = _IDLE
+        params = dict(flat.module.named_parameters())
+        self._handles = [
+            params[name].register_post_accumulate_grad_hook(self._hook(i)) for i, (name, _, _) in enumerate(flat.layers)
+        ]
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        _, start, stop = self.flat.layers[index]
+        ptr = self.flat.grads[start:stop].data_ptr()
+        bucket = self._bucket_of[index]
+
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None or grad.data_ptr() != ptr:
+                # Autograd put a new tensor in .grad (it was None, or create_graph=True): move it into the buffer.
+                view = self.flat.grads[start:stop]
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad.reshape(-1))
+                param.grad = view.view_as(param)
+            if self._state != _ACTIVE:
+                self._begin()
+            self._missing[bucket] -= 1
+            while self._next < len(self.buckets) and self._missing[self._next] == 0:
+                self._start(self._next)
+            if self.poll and self._requests:
+                self.MPI.Request.Testall(self._requests)
+
+        return hook
+
+    def _begin(self) -> None:
+        """The first hook of a backward pass: re-arm the counters, finish the step when backward ends."""
+        self._missing = list(self._sizes)
+        self._next = 0
+        self._requests = []
+        self._state = _ACTIVE
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _start(self, bucket: int) -> None:
+        self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._arrays[bucket], op=self.MPI.SUM))
+        self._next = bucket + 1
+
+    def _finish(self) -> None:
+        while self._next < len(self.buckets):
+            self._start(self._next)
+        for request, view in zip(self._requests, self._views, strict=True):
+            request.Wait()
+            if self.size > 1:
+                view.div_(self.size)
+        self._requests = []
+        self._state = _REDUCED
+
+    def wait(self) -> Flat:
+        """The mean gradient, `flat.grads` itself. After a backward pass that reached a parameter it was reduced
+        already (at the end of backward); otherwise every bucket is reduced now. Call once per step."""
+        if self._state == _IDLE:
+            self._next, self._requests = 0, []
+        if self._state != _REDUCED:
+            self._finish()  # after a failed backward (_ACTIVE), only the buckets not yet started start
+        self._state = _IDLE
+        return self.flat.grads
+
+    def averaged(self, grads: Callable[[Flat, int, int], Flat]) -> Callable[[Flat, int, int], Flat]:
+        """Wrap a gradient function whose backward pass fills `flat.grads` (e.g. `loops.Gradients`, which returns a
+        copy of it) so that it returns the mean over ranks."""
+
+        def mean(params: Flat, worker: int, index: int) -> Flat:
+            g = grads(params, worker, index)
+            if self._state == _REDUCED:
+                self._state = _IDLE
+                return g
+            return self.wait().clone()  # this rank's backward reached no parameter: it joins the reduction here
+
+        return mean
+
+    def remove(self) -> None:
+        """Unregister the hooks (backward passes after this are not reduced)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Unregister the hooks, then `shutdown(comm, timeout)`."""
+        self.remove()
+        shutdown(self.comm, timeout)
+
+
+class ShutdownTimeout(TimeoutError):
+    """`shutdown` gave up waiting; `request` is its barrier, still posted (the late ranks will complete it)."""
+
+    def __init__(self, message: str, request: Any) -> None:
+        super().__init__(message)
+        self.request = request
+
+
+def shutdown(comm: Any, timeout: float | None = None) -> None:
+    """Return once every rank of `comm` has called this: an `Ibarrier`, tested with growing sleeps in between.
+
+    A rank that finishes early (the others still training, or rank 0 still writing the run folder) sleeps instead
+    of spinning inside a blocking barrier on a core a slower rank may need. With `timeout` seconds, raise an error
+    naming this rank if the others have not all arrived by then (a rank stuck or gone): `ShutdownTimeout`, whose
+    `request` is the barrier, still posted; wait on it, or abort the world (collsync's entry point does).
+    """
+    from collsync.runtime.mpi_rma import Backoff
+    from collsync.runtime.mpi_world import rank_prefix
+
+    request = comm.Ibarrier()
+    backoff = Backoff()
+    end = None if timeout is None else time.monotonic() + timeout
+    while not request.Test():
+        if end is not None and time.monotonic() > end:
+            raise ShutdownTimeout(
+                f"{rank_prefix(comm)}: shutdown: not every rank reached shutdown within {timeout}s "
+                "(one is still working, stuck or gone)",
+                request,
+            )
+        backoff.wait()
 
 
 def as_float(tensor: torch.Tensor) -> torch.Tensor:

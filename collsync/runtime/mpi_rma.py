@@ -12,12 +12,15 @@ completed with `Flush`: on MPICH a per-operation `Lock` waits until the target e
 (`Fetch_and_op`), so a flag is never read half-written.
 
 * publish (server): seq <- seq + 1 (odd: writing); Put params; version, done; seq <- seq + 1 (even).
-* read (worker): poll (seq, version, done) until `ready`; Get params; re-read seq; retry if seq was odd or moved:
-  a seqlock, so a worker never keeps a torn mix of two versions.
+* read (worker): first wait until the server freed the slot of this worker's last push (read your own writes);
+  poll (seq, version, done) until `ready`; Get params; re-read seq; retry if seq was odd or moved: a seqlock, so a
+  worker never keeps a torn mix of two versions.
 * send (worker): wait for its slot's `full` = 0; Put gradient; Put (version, clock); Flush; then `full` <- 1. The
   Flush before the flag is what guarantees the server never sees the flag before the data.
-* recv (server): round-robin over slots from the last one served (fairness); full = 1 -> Get header and gradient,
-  then `full` <- 0.
+* recv (server): round-robin over slots from the last one served (fairness); full = 1 -> Get header and gradient.
+  `full` <- 0 only once the server has dealt with it: at the next publish or recv. So when a worker sees its slot
+  free, any version its gradient produced is published, and its next read includes its own push, as when a
+  parameter server answers a push with the new parameters (001_... Alg. 1-2) and as in the simulator.
 * close (server): after the final publish (done), wait until every worker set `finished`; gradients still in slots
   are returned so the server can drop them (every push is applied or dropped exactly once).
 """
@@ -25,7 +28,7 @@ completed with `Flush`: on MPICH a per-operation `Lock` waits until the target e
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,9 +67,19 @@ class Backoff:
 
 
 class WindowMailbox:
-    """Collective constructor over `comm`: `server_rank` hosts the windows, every other rank is a worker."""
+    """Collective constructor over `comm`: `server_rank` hosts the windows; `workers` lists the worker ranks in
+    worker order (default: every other rank). Ranks that are neither (other shards' servers) expose nothing and
+    may only `snapshot` the published parameters."""
 
-    def __init__(self, comm: Any, numel: int, *, server_rank: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        numel: int,
+        *,
+        server_rank: int = 0,
+        workers: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -76,9 +89,11 @@ class WindowMailbox:
         self.dtype = dtype
         size, rank = comm.Get_size(), comm.Get_rank()
         self.is_server = rank == server_rank
-        self.workers = size - 1
-        others = [r for r in range(size) if r != server_rank]
-        self.worker = others.index(rank) if not self.is_server else -1
+        ranks = [r for r in range(size) if r != server_rank] if workers is None else list(workers)
+        if server_rank in ranks or not 0 <= server_rank < size:
+            raise ValueError(f"mpi: server rank {server_rank} must be a rank of the world and not a worker")
+        self.workers = len(ranks)
+        self.worker = ranks.index(rank) if rank in ranks else -1
         self._np = np.float32 if dtype == torch.float32 else np.float64
         self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
         item = np.dtype(self._np).itemsize
@@ -101,6 +116,8 @@ class WindowMailbox:
         self._hdr = np.zeros(_HDR, dtype=np.int64)
         self._seq = 0
         self._next = 0
+        self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
+        self._sent = False  # worker: a push whose slot the server has not freed yet
         self._backoff = Backoff()
         self.bytes_pushed = 0
         self.bytes_fetched = 0
@@ -131,22 +148,54 @@ class WindowMailbox:
     def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
         backoff = self._backoff
         backoff.reset()
+        while True:
+            stamp = self.try_read(out, ready, fetch)
+            if stamp is not None:
+                return stamp
+            backoff.wait()
+
+    def try_read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp | None:
+        """One look: None if nothing is published or the stamp is not `ready`; else the stamp, with the parameters
+        copied into `out` (a copy torn by a concurrent publish is retried at once: the stamp was ready)."""
         buf = out.detach().numpy()
         while True:
             seq, version, done, v = (int(x) for x in self._load_header())
-            if seq > 0 and seq % 2 == 0:  # 0: nothing published yet; odd: a publish is under way
-                stamp = Stamp(version, bool(done), _as_float(v))
-                if stamp.done:
-                    self._store(self._slot(self.worker) + 3, 1)
-                    return stamp
-                if ready(stamp) and not fetch:
-                    return stamp
-                if ready(stamp):
-                    self.win_params.Get([buf, self._mpi_t], self.server)
-                    self.win_params.Flush(self.server)
-                    if self._load(0) == seq:
-                        self.bytes_fetched += buf.nbytes
-                        return stamp
+            if seq == 0 or seq % 2:  # 0: nothing published yet; odd: a publish is under way
+                return None
+            stamp = Stamp(version, bool(done), _as_float(v))
+            if stamp.done:
+                if self.worker >= 0:
+                    self._store(self._slot(self.worker) + 3, 1)  # finished: close() stops waiting for us
+                return stamp
+            if self._sent:
+                # Read your own writes, as a parameter server answers a push with the parameters it produced
+                # (001_... Alg. 1-2) and as the simulator does: wait until the server dealt with our last push.
+                if self._load(self._slot(self.worker)) != 0:
+                    return None
+                self._sent = False
+                continue  # the header may have moved while we waited: read it again
+            if not ready(stamp):
+                return None
+            if not fetch:
+                return stamp
+            self.win_params.Get([buf, self._mpi_t], self.server)
+            self.win_params.Flush(self.server)
+            if self._load(0) == seq:
+                self.bytes_fetched += buf.nbytes
+                return stamp
+
+    def snapshot(self, out: Flat) -> Stamp:
+        """The parameters last published, copied into `out` (any rank, e.g. an evaluator; never marks finished)."""
+        backoff = self._backoff
+        backoff.reset()
+        while True:
+            seq, version, done, v = (int(x) for x in self._load_header())
+            if seq > 0 and seq % 2 == 0:
+                buf = out.detach().numpy()
+                self.win_params.Get([buf, self._mpi_t], self.server)
+                self.win_params.Flush(self.server)
+                if self._load(0) == seq:
+                    return Stamp(version, bool(done), _as_float(v))
             backoff.wait()
 
     def peek(self) -> Stamp:
@@ -169,9 +218,10 @@ class WindowMailbox:
         self._store(slot + 2, arrival.clock)
         # Last: the data and header are complete at the target before the flag says so. 2 = header only.
         self._store(slot, 1 if arrival.grad is not None else 2)
+        self._sent = True
 
     # -- server side -------------------------------------------------------------------------------------------
-    def _take(self, w: int) -> Arrival | None:
+    def _take(self, w: int, defer: bool = False) -> Arrival | None:
         slot = self._slot(w)
         full = self._load(slot)
         if full == 0:
@@ -183,17 +233,28 @@ class WindowMailbox:
             self.win_slots.Get([grad.numpy(), self._mpi_t], self.server, target=target)
             self.win_slots.Flush(self.server)
         version, clock = self._load(slot + 1), self._load(slot + 2)
-        self._store(slot, 0)
+        if defer:
+            self._taken.append(w)
+        else:
+            self._store(slot, 0)
         return Arrival(w, version, grad, clock)
+
+    def _release(self) -> None:
+        """Free the slots taken since the last publish or recv: the server has dealt with those gradients (and
+        published what they changed), so their workers may read."""
+        for w in self._taken:
+            self._store(self._slot(w), 0)
+        self._taken.clear()
 
     def recv(self, timeout: float | None = None) -> Arrival | None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._release()  # the previous arrival was accepted (and published, if it changed the parameters)
         backoff = self._backoff
         backoff.reset()
         while True:
             for i in range(self.workers):
                 w = (self._next + i) % self.workers
-                arrival = self._take(w)
+                arrival = self._take(w, defer=True)
                 if arrival is not None:
                     self._next = (w + 1) % self.workers
                     return arrival
@@ -212,6 +273,7 @@ class WindowMailbox:
         self._store(3, _as_int(stamp.v))
         self._seq += 1
         self._store(0, self._seq)
+        self._release()
 
     def close(self) -> list[Arrival]:
         left: list[Arrival] = []

@@ -43,6 +43,7 @@ class Simulator:
         self.trace = Trace(clock=lambda: self.now if self._frozen_clock is None else self._frozen_clock)
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
+        self._armed: int | None = None
 
     def _schedule(self, t: float, kind: int, worker: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, worker, payload))
@@ -99,9 +100,7 @@ class Simulator:
             before = server.version
             if kind == _PUSH:
                 arrival: Arrival = payload
-                had_pending = bool(server.pending)
                 server.accept(arrival)
-                self._arm_timeout(server, had_pending)
             elif kind == _TIMEOUT and payload == server.version and not server.done:
                 server.flush()
             woken = {w} if kind == _PUSH else set()
@@ -110,7 +109,7 @@ class Simulator:
                     on_update(server)
                 woken |= waiting
                 waiting.clear()
-                self._arm_timeout(server, False)
+            self._arm_timeout(server)
             for v in sorted(woken):
                 try_start(v)
             if server.done and self._frozen_clock is None:
@@ -124,8 +123,10 @@ class Simulator:
         server.drain()
         return server
 
-    def _arm_timeout(self, server: Server, had_pending: bool) -> None:
-        # A collection deadline starts when the first gradient of an update arrives (000_... §6, 003_... tau1).
-        if server.policy.timeout is None or had_pending or not server.pending or server.done:
-            return
-        self._schedule(self.now + server.policy.timeout, _TIMEOUT, -1, server.version)
+    def _arm_timeout(self, server: Server) -> None:
+        # A collection deadline starts once per update, when the server starts collecting (the first gradient of a
+        # stream update, the quorum-th of a round: 000_... §6, 003_... tau1); it fires only if still that update.
+        timeout = server.policy.timeout
+        if timeout is not None and server.collecting() and self._armed != server.version:
+            self._armed = server.version
+            self._schedule(self.now + timeout, _TIMEOUT, -1, server.version)

@@ -1,0 +1,418 @@
+"""k-of-n partial allreduce on MPI one-sided windows: the first `quorum` contributions of a round are averaged.
+
+Backup workers (000_..., Chen et al., "Revisiting Distributed Synchronous SGD", Alg. 3-4) run N + b workers and
+update with the first N gradients of step t; the b later ones are dropped. Serverless, every rank holds a replica
+of the server, and this primitive hands every rank the same mean for round t, the ranks it came from
+(`contributors`, the first `quorum` to arrive) and the others (`dropped`: every rank not among the first `quorum`,
+whether it arrived late or had not arrived yet when the round completed, so the lists are the same on every rank).
+`quorum` = n is a full allreduce mean (the sum of all n contributions in rank order, divided by n).
+
+Windows, all hosted by rank `host` (the others expose zero bytes); `depth` rounds of results live in a ring:
+
+    slots  float[n * numel]       one contribution slot per rank (holds that rank's latest counted contribution)
+    ring   float[depth * numel]   the mean of round t in entry t % depth
+    ctrl   int64[depth * (4 + n) + 2 * n]
+           per ring entry: [tickets, tag, quorum, count, ranks[n]]   (ranks: the sorted contributors, -1 padded)
+           then posted[n] (the round whose contribution sits in rank r's slot), read[n] (rounds rank r has read)
+
+Every access, the host's to its own memory included, is an RMA call inside one `Lock_all` epoch completed with
+`Flush` (on MPICH a per-operation `Lock` waits until the target enters MPI; `Lock_all` + `Flush` does not). Control
+words are only touched by atomics (`Fetch_and_op`, `Get_accumulate`/`Accumulate` with NO_OP/REPLACE), so a word
+is never read half-written. One round t at rank r:
+
+1. gate: wait until every rank has read round t - depth (min read >= t - depth + 1): entry t % depth is free.
+2. ticket: `Fetch_and_op(SUM, 1)` on the entry's `tickets`; minus n per earlier round of this entry (every rank takes
+   exactly one ticket per round, and the gate orders rounds t - depth and t), it is r's arrival order in round t.
+3. ticket < quorum: Put the contribution into slot r, Flush, then posted[r] <- t. The Flush before the flag is what
+   guarantees nobody sees the flag before the data.
+4. ticket = quorum - 1 (the last counted arrival) combines: waits until `quorum` ranks posted round t, Gets their
+   slots, sums them in rank order (so the bits do not depend on arrival order) and divides by `quorum`; writes
+   tag <- "writing t", the mean and the record (quorum, count, ranks), Flush, then tag <- t.
+5. everyone reads: wait for tag = t; Get record and mean; Flush; re-read tag (a seqlock). If the tag moved, the
+   entry was reused while being read: a `RuntimeError`, never a silently torn mean. Then read[r] <- t + 1.
+
+Each rank reads every round's mean exactly once and in order, so replicas that apply the means stay bit-identical.
+
+Falling behind: the ring holds the last `depth` rounds, so a rank up to `depth` rounds behind reads the means it
+missed, in order (`try_read` returns a completed round without contributing: a backup worker that is late need not
+compute a gradient that would be dropped anyway). A rank more than `depth` rounds behind *blocks* the fast ranks at
+step 1 until it has read the round whose entry they need. Blocking, not an error, because the alternative loses
+state for good: once a mean is overwritten, the lagging replica can no longer apply it and would have to be
+re-sent the whole server state (parameters and every rule state); an exception would turn a transient straggler
+into a failed run. So the fast ranks lead the slowest reader by at most `depth` rounds (SSP-like flow control,
+004_... §II-C, with bound `depth`), and a straggler costs them nothing while it stays within that lead.
+
+With `timeout` set, any wait longer than `timeout` seconds raises `TimeoutError` naming what it waited for (at the
+gate: the lagging ranks and the rounds they have read; for a round: how many ranks had arrived). A timeout in the
+gate leaves the protocol intact (no ticket was taken), so the call may be retried; one while waiting for a round to
+complete is final (the ticket is spent): stop the run.
+
+`quorum` must be the same on every rank for a round (like the count of a collective); the combining rank records it
+and every reader checks it.
+
+Memory on the host: (n + depth) * numel floats. Calls are made in round order 0, 1, 2, ... on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+import torch
+
+from collsync.runtime.mpi_rma import Backoff
+from collsync.types import Flat
+
+T = TypeVar("T")
+
+_EMPTY = -1  # the tag of a ring entry no round has used yet
+_ENTRY_HEAD = 4  # tickets, tag, quorum, count (then ranks[n])
+
+PENDING, READY, OVERWRITTEN = "pending", "ready", "overwritten"
+
+
+class PartialResult(NamedTuple):
+    """The outcome of round `round`, identical (bit for bit) on every rank."""
+
+    mean: Flat
+    round: int
+    quorum: int
+    contributors: list[int]
+    dropped: list[int]
+
+
+# -- pure helpers (no MPI): the encodings the protocol relies on ----------------------------------------------------
+def writing_tag(round_: int) -> int:
+    """The tag of an entry whose mean for `round_` is being written: negative, distinct from `_EMPTY`."""
+    return -2 - round_
+
+
+def tag_state(tag: int, round_: int) -> str:
+    """What an entry's tag says to a reader of `round_`: PENDING (not yet complete), READY, or OVERWRITTEN (the
+    entry has moved on to a later round: the mean of `round_` is gone)."""
+    if tag == _EMPTY:
+        return PENDING
+    complete = tag >= 0
+    holds = tag if complete else -2 - tag
+    if holds > round_:
+        return OVERWRITTEN
+    return READY if holds == round_ and complete else PENDING
+
+
+def arrival_index(ticket: int, round_: int, depth: int, size: int) -> int:
+    """A rank's arrival order in `round_` from the entry's cumulative ticket counter: each of the round // depth
+    earlier rounds of this entry took exactly `size` tickets, all before the first of this round (the gate)."""
+    return ticket - (round_ // depth) * size
+
+
+def split(contributors: Sequence[int], size: int) -> tuple[list[int], list[int]]:
+    """(contributors sorted, every other rank of 0..size-1 sorted): the lists every rank reports for a round."""
+    counted = sorted(contributors)
+    chosen = set(counted)
+    return counted, [r for r in range(size) if r not in chosen]
+
+
+def lagging(read: Sequence[int], round_: int, depth: int) -> list[int]:
+    """Ranks that have not read round `round_ - depth` yet, so `round_` may not reuse its ring entry."""
+    return [r for r, n in enumerate(read) if n < round_ - depth + 1]
+
+
+def check_call(numel: int, size: int, expected_round: int, got: int, quorum: int, tensor: Flat | None) -> None:
+    """Reject a call that would break the protocol, naming the value."""
+    if got != expected_round:
+        raise ValueError(f"partial allreduce: round={got}, expected round={expected_round} (rounds go 0, 1, 2, ...)")
+    if not 1 <= quorum <= size:
+        raise ValueError(f"partial allreduce: {quorum=} must be in 1..{size} (the world size)")
+    if tensor is not None and tensor.numel() != numel:
+        raise ValueError(f"partial allreduce: tensor has {tensor.numel()} elements, the windows hold {numel=}")
+
+
+class PartialAllreduce:
+    """Collective constructor over `comm` (every rank calls it, then every rank calls rounds 0, 1, 2, ... in order).
+
+    `pa(tensor, quorum=k, round=t)` contributes `tensor` to round t and returns round t's `PartialResult`;
+    `pa.try_read(quorum=k, round=t)` returns it without contributing if round t is already complete (else None).
+    `depth` rounds of results are kept (see the module docstring for what a rank further behind does); `timeout`
+    (seconds, None = wait for ever) bounds every wait. `free()` (collective) releases the windows.
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        numel: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        depth: int = 8,
+        host: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        from mpi4py import MPI
+
+        from collsync.runtime.mpi_world import rank_prefix
+
+        size, rank = comm.Get_size(), comm.Get_rank()
+        _check_args(numel, dtype, depth, host, size, timeout)
+        self.MPI, self.comm = MPI, comm
+        self.numel, self.dtype, self.depth, self.host, self.timeout = numel, dtype, depth, host, timeout
+        self.size, self.rank = size, rank
+        self.round = 0  # the next round this rank reads
+        self._who = rank_prefix(comm)
+        self._np = np.float32 if dtype == torch.float32 else np.float64
+        self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
+        self._entry = _ENTRY_HEAD + size
+        self._posted = depth * self._entry
+        self._read = self._posted + size
+        self._wins = self._allocate(rank == host)
+        self.win_slots, self.win_ring, self.win_ctrl = self._wins
+        self._floor = 0  # a lower bound on every rank's read counter (saves polling the gate)
+        self._one = np.ones(1, dtype=np.int64)
+        self._val = np.zeros(1, dtype=np.int64)
+        self._res = np.zeros(1, dtype=np.int64)
+        self._backoff = Backoff()
+
+    # -- set-up and tear-down --------------------------------------------------------------------------------------
+    def _allocate(self, hosting: bool) -> tuple[Any, Any, Any]:
+        MPI, item = self.MPI, np.dtype(self._np).itemsize
+        words = self._read + self.size
+        slots = MPI.Win.Allocate(self.size * self.numel * item if hosting else 0, item, comm=self.comm)
+        ring = MPI.Win.Allocate(self.depth * self.numel * item if hosting else 0, item, comm=self.comm)
+        ctrl = MPI.Win.Allocate(words * 8 if hosting else 0, 8, comm=self.comm)
+        if hosting:
+            # Before the epoch opens, the host may write its memory directly: no one can access it yet.
+            for win in (slots, ring):
+                np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 0
+            words_ = np.frombuffer(ctrl.tomemory(), dtype=np.int64)
+            words_[:] = 0
+            words_[1 : self._posted : self._entry] = _EMPTY  # every entry's tag
+            words_[self._posted : self._read] = -1  # no rank has posted any round
+        self.comm.Barrier()  # initialised memory is in place before anyone reads it
+        for win in (slots, ring, ctrl):
+            win.Lock_all()
+        return slots, ring, ctrl
+
+    def free(self) -> None:
+        """Collective: close the epochs and free the windows."""
+        for win in self._wins:
+            win.Unlock_all()
+        self.comm.Barrier()
+        for win in self._wins:
+            win.Free()
+        self._wins = ()
+
+    def __enter__(self) -> PartialAllreduce:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._wins:
+            self.free()
+
+    # -- control words (atomics, each completed by a Flush) --------------------------------------------------------
+    def _fetch(self, disp: int, value: int, op: Any) -> int:
+        self._val[0] = value
+        self.win_ctrl.Fetch_and_op(self._val, self._res, self.host, disp, op=op)
+        self.win_ctrl.Flush(self.host)
+        return int(self._res[0])
+
+    def _load(self, disp: int) -> int:
+        return self._fetch(disp, 0, self.MPI.NO_OP)
+
+    def _store(self, disp: int, value: int) -> None:
+        self._fetch(disp, value, self.MPI.REPLACE)
+
+    def _load_many(self, disp: int, count: int) -> np.ndarray:
+        """`count` words, each read atomically, in one Get_accumulate (not `count` round trips)."""
+        out = np.empty(count, dtype=np.int64)
+        target = (disp, count, self.MPI.INT64_T)
+        self.win_ctrl.Get_accumulate(
+            [np.zeros(count, dtype=np.int64), self.MPI.INT64_T],
+            [out, self.MPI.INT64_T],
+            self.host,
+            target=target,
+            op=self.MPI.NO_OP,
+        )
+        self.win_ctrl.Flush(self.host)
+        return out
+
+    def _store_many(self, disp: int, values: np.ndarray) -> None:
+        target = (disp, len(values), self.MPI.INT64_T)
+        self.win_ctrl.Accumulate([values, self.MPI.INT64_T], self.host, target=target, op=self.MPI.REPLACE)
+        self.win_ctrl.Flush(self.host)
+
+    def _entry_at(self, round_: int) -> int:
+        return (round_ % self.depth) * self._entry
+
+    # -- waiting ---------------------------------------------------------------------------------------------------
+    def _poll(self, probe: Callable[[], T | None], describe: Callable[[], str]) -> T:
+        """Poll with backoff (ranks share cores) until `probe` answers; after `timeout` s, fail naming the cause."""
+        backoff = self._backoff
+        backoff.reset()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            got = probe()
+            if got is not None:
+                return got
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self._who}: partial allreduce: {describe()} after timeout={self.timeout}s")
+            backoff.wait()
+
+    def _gate(self, round_: int) -> None:
+        """Step 1: the ring entry of `round_` is free once every rank has read round `round_ - depth`."""
+        need = round_ - self.depth + 1
+        if self._floor >= need:
+            return
+        read = np.zeros(self.size, dtype=np.int64)
+
+        def probe() -> bool | None:
+            read[:] = self._load_many(self._read, self.size)
+            self._floor = int(read.min())
+            return True if self._floor >= need else None
+
+        def describe() -> str:
+            late = lagging(read.tolist(), round_, self.depth)
+            behind = ", ".join(f"rank {r} has read up to round {int(read[r]) - 1}" for r in late)
+            return (
+                f"round {round_} waits for ranks {late} to read round {round_ - self.depth} ({behind}; {self.depth=})"
+            )
+
+        self._poll(probe, describe)
+
+    # -- one round -------------------------------------------------------------------------------------------------
+    def __call__(self, tensor: Flat, quorum: int, round: int) -> PartialResult:
+        """Contribute `tensor` to round `round`; return the round's mean (first `quorum` contributions, rank order)."""
+        check_call(self.numel, self.size, self.round, round, quorum, tensor)
+        data = tensor.detach().to(self.dtype).contiguous()
+        self._gate(round)
+        index = self._ticket(round)
+        if index < quorum:
+            self._post(data, round)
+            if index == quorum - 1:
+                self._combine(data, quorum, round)
+        return self._collect(quorum, round)
+
+    def try_read(self, quorum: int, round: int) -> PartialResult | None:
+        """Round `round`'s result if it is already complete (this rank is then among the dropped), else None."""
+        check_call(self.numel, self.size, self.round, round, quorum, None)
+        if tag_state(self._load(self._entry_at(round) + 1), round) != READY:
+            return None
+        # A complete round passed its gate, so the ticket arithmetic holds without waiting here.
+        index = self._ticket(round)
+        if index < quorum:
+            raise RuntimeError(
+                f"{self._who}: partial allreduce: round {round} was complete but this rank drew arrival {index} < "
+                f"{quorum=}: ranks disagree on the quorum of round {round}"
+            )
+        return self._collect(quorum, round)
+
+    def latest(self) -> int:
+        """The highest round whose mean is complete in the ring (-1 if none): for monitoring and tests."""
+        tags = [self._load(s * self._entry + 1) for s in range(self.depth)]
+        return max([t for t in tags if t >= 0], default=-1)
+
+    def _ticket(self, round_: int) -> int:
+        """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per round)."""
+        ticket = self._fetch(self._entry_at(round_), 1, self.MPI.SUM)
+        return arrival_index(ticket, round_, self.depth, self.size)
+
+    def _post(self, data: Flat, round_: int) -> None:
+        """Step 3: data into this rank's slot, Flush, and only then the flag that says which round it belongs to."""
+        target = (self.rank * self.numel, self.numel, self._mpi_t)
+        self.win_slots.Put([data.numpy(), self._mpi_t], self.host, target=target)
+        self.win_slots.Flush(self.host)
+        self._store(self._posted + self.rank, round_)
+
+    def _combine(self, own: Flat, quorum: int, round_: int) -> None:
+        """Step 4 (the last counted arrival): sum the `quorum` posted contributions in rank order; publish the mean."""
+        ranks = self._poll(
+            lambda: _posted_for(self._load_many(self._posted, self.size), round_, quorum),
+            lambda: f"round {round_} combines, but fewer than {quorum=} ranks have posted their data",
+        )
+        parts = torch.empty(quorum, self.numel, dtype=self.dtype)
+        for i, r in enumerate(ranks):
+            if r == self.rank:
+                parts[i] = own
+            else:
+                target = (r * self.numel, self.numel, self._mpi_t)
+                self.win_slots.Get([parts[i].numpy(), self._mpi_t], self.host, target=target)
+        self.win_slots.Flush(self.host)
+        mean = parts[0].clone()
+        for i in range(1, quorum):
+            mean.add_(parts[i])
+        mean.div_(quorum)
+        self._publish(mean, quorum, ranks, round_)
+
+    def _publish(self, mean: Flat, quorum: int, ranks: list[int], round_: int) -> None:
+        """Seqlock write: tag 'writing', then the mean and record (both flushed), then the tag that says complete."""
+        entry = self._entry_at(round_)
+        self._store(entry + 1, writing_tag(round_))
+        target = ((round_ % self.depth) * self.numel, self.numel, self._mpi_t)
+        self.win_ring.Put([mean.numpy(), self._mpi_t], self.host, target=target)
+        self.win_ring.Flush(self.host)
+        record = np.full(2 + self.size, -1, dtype=np.int64)
+        record[0], record[1], record[2 : 2 + quorum] = quorum, quorum, ranks
+        self._store_many(entry + 2, record)
+        self._store(entry + 1, round_)
+
+    def _collect(self, quorum: int, round_: int) -> PartialResult:
+        """Step 5: wait for the round, read record and mean, re-check the tag (torn reads fail loudly)."""
+        entry = self._entry_at(round_)
+        tag = entry + 1
+
+        def probe() -> bool | None:
+            state = tag_state(self._load(tag), round_)
+            if state == OVERWRITTEN:
+                raise RuntimeError(self._overwritten(round_))
+            return True if state == READY else None
+
+        def describe() -> str:
+            arrived = arrival_index(self._load(entry), round_, self.depth, self.size)
+            return f"round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks arrived, {quorum=}"
+
+        self._poll(probe, describe)
+        record = self._load_many(entry + 2, 2 + self.size)
+        mean = torch.empty(self.numel, dtype=self.dtype)
+        target = ((round_ % self.depth) * self.numel, self.numel, self._mpi_t)
+        self.win_ring.Get([mean.numpy(), self._mpi_t], self.host, target=target)
+        self.win_ring.Flush(self.host)
+        if tag_state(self._load(tag), round_) != READY:
+            raise RuntimeError(self._overwritten(round_) + " (while it was being read)")
+        if int(record[0]) != quorum:
+            raise ValueError(
+                f"{self._who}: partial allreduce: round {round_} ran with quorum={int(record[0])}, "
+                f"this rank asked for {quorum=}: every rank must pass the same quorum"
+            )
+        contributors, dropped = split([int(r) for r in record[2 : 2 + int(record[1])]], self.size)
+        self._store(self._read + self.rank, round_ + 1)
+        self.round = round_ + 1
+        return PartialResult(mean, round_, quorum, contributors, dropped)
+
+    def _overwritten(self, round_: int) -> str:
+        return (
+            f"{self._who}: partial allreduce: the mean of round {round_} was overwritten by a later round "
+            f"(ring depth={self.depth}); the gate should have prevented this: do all ranks use the same depth?"
+        )
+
+
+def _posted_for(posted: np.ndarray, round_: int, quorum: int) -> list[int] | None:
+    """The ranks whose slot holds round `round_`, once `quorum` of them do (sorted: the summation order)."""
+    ranks = [r for r, p in enumerate(posted.tolist()) if p == round_]
+    if len(ranks) > quorum:
+        raise RuntimeError(
+            f"partial allreduce: round {round_} has {len(ranks)} contributions for {quorum=}: "
+            f"ranks {ranks} disagree on the quorum"
+        )
+    return ranks if len(ranks) == quorum else None
+
+
+def _check_args(numel: int, dtype: torch.dtype, depth: int, host: int, size: int, timeout: float | None) -> None:
+    if numel < 1:
+        raise ValueError(f"partial allreduce: {numel=} must be >= 1")
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"partial allreduce: dtype={dtype} must be torch.float32 or torch.float64")
+    if depth < 1:
+        raise ValueError(f"partial allreduce: {depth=} must be >= 1")
+    if not 0 <= host < size:
+        raise ValueError(f"partial allreduce: {host=} must be a rank in 0..{size - 1}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"partial allreduce: {timeout=} must be > 0 seconds (or None)")

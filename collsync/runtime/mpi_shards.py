@@ -1,0 +1,138 @@
+"""Parameter-server shards: the flat parameters split into M contiguous blocks balanced by size, block j served
+from an MPI window on rank j (ranks 0..M-1 serve, ranks M.. are the workers).
+
+Each shard is a `WindowMailbox` with its own server loop, `Server` and version counter: the shards never talk to
+one another. A worker sees them through one `ShardedMailbox`, the same `Mailbox` a single server offers:
+
+* read: poll every shard; copy in each block whose shard has the round the worker needs. With PSP's partial pull
+  (003_... Alg. 1, worker lines 8-15) the worker goes on once `pull_fraction` of the blocks are in, after waiting
+  at most `pull_timeout` seconds more for the rest; a block it did not get stays what it was, with its old version.
+* send: block j of the gradient goes to shard j, tagged with the version of block j the worker computed on (so
+  each shard measures staleness against its own counter) and with the worker's round.
+
+Training is over for a worker once every shard has published `done`; a shard that is done gets no more pushes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from collsync.runtime.mpi_rma import Backoff, WindowMailbox
+from collsync.types import Arrival, Flat, Stamp
+
+Bounds = list[tuple[int, int]]
+
+
+def shard_bounds(numel: int, shards: int) -> Bounds:
+    """(start, stop) of each of `shards` contiguous blocks of a `numel`-long vector, sizes differing by at most 1."""
+    if not 1 <= shards <= numel:
+        raise ValueError(f"runtime: servers={shards} must be between 1 and the {numel} parameters of the model")
+    size, extra = divmod(numel, shards)
+    bounds, start = [], 0
+    for j in range(shards):
+        stop = start + size + (1 if j < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def open_shards(comm: Any, numel: int, servers: int, dtype: torch.dtype = torch.float32) -> list[WindowMailbox]:
+    """Collective over `comm`: one mailbox per shard, shard j hosted on rank j, workers = ranks servers.. ."""
+    size = comm.Get_size()
+    if servers >= size:
+        raise ValueError(
+            f"runtime: {size} rank(s) leave no worker beside servers={servers}; launch at least {servers + 1} ranks"
+        )
+    workers = list(range(servers, size))
+    return [
+        WindowMailbox(comm, stop - start, server_rank=j, workers=workers, dtype=dtype)
+        for j, (start, stop) in enumerate(shard_bounds(numel, servers))
+    ]
+
+
+class ShardedMailbox:
+    """The worker side of M shards as one `Mailbox` (read and send; the servers use their own shard's mailbox)."""
+
+    def __init__(
+        self, shards: list[WindowMailbox], bounds: Bounds, pull_fraction: float = 1.0, pull_timeout: float | None = None
+    ) -> None:
+        if len(shards) != len(bounds) or not shards:
+            raise ValueError(f"runtime: {len(shards)} shard mailboxes for {len(bounds)} blocks")
+        if shards[0].worker < 0:
+            raise ValueError("runtime: a ShardedMailbox is the workers' side; this rank is not a worker")
+        self.shards, self.bounds = shards, bounds
+        self.worker = shards[0].worker
+        # At least one block, and the paper's b% rounded up: b = 90% of 4 shards is 4 blocks, not 3.
+        self.need = max(1, math.ceil(pull_fraction * len(shards) - 1e-9))
+        self.pull_timeout = pull_timeout
+        self.versions = [0] * len(shards)
+        self.done = [False] * len(shards)
+        self.partial_reads = 0  # reads that went on without every block (PSP's partial pull at work)
+        self._backoff = Backoff()
+
+    def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
+        got: dict[int, Stamp] = {}
+        enough_since: float | None = None
+        self._backoff.reset()
+        while True:
+            for j, shard in enumerate(self.shards):
+                if j not in got:
+                    start, stop = self.bounds[j]
+                    stamp = shard.try_read(out[start:stop], ready, fetch)
+                    if stamp is not None:
+                        got[j] = stamp
+            live = {j: s for j, s in got.items() if not s.done}
+            if len(got) == len(self.shards) and not live:
+                self.done = [True] * len(self.shards)
+                return Stamp(max(s.version for s in got.values()), True)
+            if len(got) == len(self.shards) or (len(got) >= self.need and live and self._waited(enough_since)):
+                break
+            if len(got) >= self.need and live and enough_since is None:
+                enough_since = time.monotonic()
+            self._backoff.wait()
+        if len(got) < len(self.shards):
+            self.partial_reads += 1
+        for j, s in got.items():
+            self.done[j] = s.done
+            if not s.done and fetch:
+                self.versions[j] = s.version
+        # The round the worker may compute next follows the oldest block it just received.
+        return Stamp(min(s.version for s in live.values()), False, sum(s.v for s in live.values()) / len(live))
+
+    def _waited(self, since: float | None) -> bool:
+        if self.pull_timeout is None:
+            return True
+        return since is not None and time.monotonic() - since >= self.pull_timeout
+
+    def send(self, arrival: Arrival) -> None:
+        for j, shard in enumerate(self.shards):
+            if self.done[j]:
+                continue
+            start, stop = self.bounds[j]
+            block = None if arrival.grad is None else arrival.grad[start:stop]
+            shard.send(Arrival(arrival.worker, self.versions[j], block, arrival.clock))
+
+    def peek(self) -> Stamp:
+        """Training is over once every shard says so (for polling only)."""
+        stamps = [shard.peek() for shard in self.shards]
+        return Stamp(min(s.version for s in stamps), all(s.done for s in stamps))
+
+    @property
+    def bytes_pushed(self) -> int:
+        return sum(shard.bytes_pushed for shard in self.shards)
+
+    @property
+    def bytes_fetched(self) -> int:
+        return sum(shard.bytes_fetched for shard in self.shards)
+
+
+def snapshot(shards: list[WindowMailbox], bounds: Bounds, out: Flat) -> Flat:
+    """Every shard's last published block copied into `out` (e.g. for evaluation on rank 0 while training runs)."""
+    for shard, (start, stop) in zip(shards, bounds, strict=True):
+        shard.snapshot(out[start:stop])
+    return out

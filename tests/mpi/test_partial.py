@@ -1,0 +1,185 @@
+"""The k-of-n partial allreduce and serverless backup workers on it, at any world size (every rank runs every test)."""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+
+import pytest
+import torch
+
+from collsync.checks import check_trace
+from collsync.loops import run_allreduce
+from collsync.loops_partial import run_partial
+from collsync.policy import backup, bsp
+from collsync.rules import sgd
+from collsync.runtime.mpi_coll import MpiCollective
+from collsync.runtime.mpi_partial import PartialAllreduce, PartialResult
+from collsync.server import Server
+from collsync.trace import Trace
+
+
+def _contribution(rank: int, round_: int, numel: int) -> torch.Tensor:
+    """Small integers, distinct per rank and round: any summation order is exact, and a wrong slot shows."""
+    return torch.arange(numel, dtype=torch.float64) + (rank * 1000 + round_ % 997)
+
+
+def _expected(result: PartialResult, numel: int) -> torch.Tensor:
+    total = torch.zeros(numel, dtype=torch.float64)
+    for r in result.contributors:
+        total += _contribution(r, result.round, numel)
+    return total / result.quorum
+
+
+def _same_everywhere(comm, value: bytes) -> bool:
+    return len(set(comm.allgather(value))) == 1
+
+
+def test_full_quorum_equals_allreduce(comm):
+    n, numel = comm.Get_size(), 10
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=2) as pa:
+        for t in range(6):
+            x = torch.arange(numel, dtype=torch.float64) * (comm.Get_rank() + 1) + t
+            result = pa(x, quorum=n, round=t)
+            reference = MpiCollective(comm).allreduce_mean(x.clone())
+            assert torch.equal(result.mean, reference)
+            assert result.contributors == list(range(n)) and result.dropped == []
+
+
+def test_quorum_below_n_counts_exactly_k(comm):
+    n, numel, rounds = comm.Get_size(), 7, 40
+    rng = random.Random(comm.Get_rank())
+    seen = []
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3) as pa:
+        for t in range(rounds):
+            k = 1 + t % n
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 1e-3)
+            result = pa(_contribution(comm.Get_rank(), t, numel), quorum=k, round=t)
+            assert len(result.contributors) == k and len(result.dropped) == n - k
+            assert sorted(result.contributors + result.dropped) == list(range(n))
+            assert torch.equal(result.mean, _expected(result, numel))
+            seen.append((result.contributors, result.dropped, result.mean.numpy().tobytes()))
+    assert _same_everywhere(comm, repr(seen).encode())
+
+
+def test_stress_every_contribution_counted_or_dropped_once(comm):
+    n, rank, numel, rounds = comm.Get_size(), comm.Get_rank(), 8, 10_000
+    rng = random.Random(12_345 + rank)
+    fate = bytearray(rounds)  # 1 counted, 2 contributed but dropped, 3 read a complete round without contributing
+    digest = 0
+    start = time.monotonic()
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3) as pa:
+        for t in range(rounds):
+            k = max(1, n - 1) if t % 4 else 1 + t % n
+            if rng.random() < 0.05:
+                time.sleep(rng.random() * 200e-6)
+            result = pa.try_read(k, t) if rng.random() < 0.3 else None
+            if result is not None:
+                fate[t] = 3
+                assert rank in result.dropped
+            else:
+                result = pa(_contribution(rank, t, numel), quorum=k, round=t)
+                fate[t] = 1 if rank in result.contributors else 2
+            assert len(result.contributors) == k and len(set(result.contributors)) == k
+            assert torch.equal(result.mean, _expected(result, numel))
+            digest = zlib.crc32(
+                repr((result.contributors, result.dropped)).encode() + result.mean.numpy().tobytes(), digest
+            )
+    elapsed = time.monotonic() - start
+    fates = comm.allgather(bytes(fate))
+    assert _same_everywhere(comm, str(digest).encode())
+    counted = sum(f.count(1) for f in fates)
+    assert counted == sum(max(1, n - 1) if t % 4 else 1 + t % n for t in range(rounds))
+    assert all(len(f) == rounds and 0 not in f for f in fates)  # every rank settled every round
+    if rank == 0:
+        print(f"\n{rounds} rounds at n={n}: {elapsed:.1f} s")
+
+
+def test_slow_rank_within_depth_catches_up_exactly(comm):
+    n, rank, numel, depth = comm.Get_size(), comm.Get_rank(), 5, 3
+    if n < 2:
+        pytest.skip("needs a slow rank beside a quorum of others")
+    slow, quorum = n - 1, n - 1
+    replica = torch.zeros(numel, dtype=torch.float64)
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=depth) as pa:
+        for t in range(4 * depth):
+            grad = _contribution(rank, t, numel)
+            if rank == slow and t == 0:
+                time.sleep(1.0)
+                # The others completed exactly `depth` rounds without it, then waited at the gate.
+                assert pa.latest() == depth - 1
+            if rank != slow and t == depth:
+                pa.timeout = 0.2
+                with pytest.raises(TimeoutError, match=rf"waits for ranks \[{slow}\] to read round 0"):
+                    pa(grad, quorum, t)
+                pa.timeout = None  # the gate took no ticket: the call may be retried
+            result = pa.try_read(quorum, t)
+            if rank == slow and t < depth:
+                assert result is not None and slow in result.dropped
+            if result is None:
+                result = pa(grad, quorum, t)
+            replica.mul_(0.5).add_(result.mean)  # order-sensitive: a missed or reordered round would show
+    assert _same_everywhere(comm, replica.numpy().tobytes())
+
+
+def test_calls_out_of_order_are_rejected(comm):
+    with PartialAllreduce(comm, 3) as pa:
+        with pytest.raises(ValueError, match="round=1, expected round=0"):
+            pa(torch.zeros(3), quorum=1, round=1)
+        with pytest.raises(ValueError, match="quorum=0 must be in 1"):
+            pa(torch.zeros(3), quorum=0, round=0)
+        with pytest.raises(ValueError, match="tensor has 4 elements"):
+            pa(torch.zeros(4), quorum=1, round=0)
+
+
+def _integer_grads(numel: int):
+    """Integer-valued gradients: every sum is exact, so partial and full allreduce agree bit for bit."""
+    target = torch.arange(numel, dtype=torch.float64) % 5
+
+    def grads(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
+        return torch.floor(params * 2) - target + (worker + index) % 3
+
+    return grads
+
+
+def _least_squares(target: torch.Tensor):
+    def grads(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
+        time.sleep(random.Random(worker * 7919 + index).random() * 2e-3)  # uneven workers: some are dropped
+        return params - target + 0.01 * (worker + 1)
+
+    return grads
+
+
+def test_run_partial_full_quorum_equals_run_allreduce(comm):
+    n, numel, steps = comm.Get_size(), 33, 25
+    start = torch.zeros(numel, dtype=torch.float64)
+    reference = run_allreduce(
+        Server(start, sgd(lr=0.5), bsp(), n, steps=steps), MpiCollective(comm), _integer_grads(numel)
+    )
+    trace = Trace()
+    server = Server(start, sgd(lr=0.5), bsp(), n, steps=steps, trace=trace)
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=4) as pa:
+        run_partial(server, pa, _integer_grads(numel))
+    assert server.version == steps and torch.equal(server.params, reference.params)
+    counts = check_trace(trace, bsp(), n)
+    assert counts["applied"] == steps * n and counts["dropped"] == 0
+
+
+def test_backup_workers_train_and_pass_the_trace_checks(comm):
+    n, numel, steps = comm.Get_size(), 33, 40
+    if n < 2:
+        pytest.skip("backup workers need at least two ranks")
+    policy = backup(1)
+    target = torch.linspace(-1, 1, numel, dtype=torch.float64)
+    start = torch.zeros(numel, dtype=torch.float64)
+    trace = Trace()
+    server = Server(start, sgd(lr=0.1), policy, n, steps=steps, trace=trace)
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=4) as pa:
+        run_partial(server, pa, _least_squares(target))
+    counts = check_trace(trace, policy, n)
+    assert counts["updates"] == steps
+    assert counts["applied"] == steps * (n - 1) and counts["dropped"] == steps
+    assert (server.params - target).norm() < 0.1 * (start - target).norm()  # it trains
+    assert _same_everywhere(comm, server.params.numpy().tobytes())

@@ -1,0 +1,105 @@
+"""Parameter-server shards on MPI windows (ranks 0..M-1 serve one block each, the rest are workers), with PSP's
+partial pull, at any world size that leaves a worker beside two servers."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from collsync.checks import check_trace
+from collsync.loops import Worker, run_server, run_worker
+from collsync.policy import asynchronous, bsp, psp
+from collsync.rules import sgd
+from collsync.runtime.mpi_shards import ShardedMailbox, open_shards, shard_bounds, snapshot
+from collsync.server import Server
+from collsync.trace import Trace
+
+SERVERS = 2
+
+
+def _least_squares(numel: int):
+    target = torch.linspace(-1, 1, numel, dtype=torch.float64)
+
+    def grads(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
+        time.sleep(random.Random(worker * 7919 + index).random() * 1e-3)
+        return params - target
+
+    return grads
+
+
+def _train(comm, policy, numel: int, steps: int, slow_shard: int | None = None):
+    """Every shard's server to `steps` updates; returns (this rank's server or None, this worker's mailbox or None)."""
+    workers = comm.Get_size() - SERVERS
+    bounds = shard_bounds(numel, SERVERS)
+    shards = open_shards(comm, numel, SERVERS, dtype=torch.float64)
+    rank = comm.Get_rank()
+    server = mailbox = None
+    if rank < SERVERS:
+        start, stop = bounds[rank]
+        server = Server(
+            torch.zeros(stop - start, dtype=torch.float64), sgd(lr=0.2), policy, workers, steps=steps, trace=Trace()
+        )
+        box = shards[rank]
+        if rank == slow_shard:
+            publish = box.publish
+
+            def slow(params, stamp):
+                time.sleep(3e-3)  # a slow server shard: its versions lag the other's
+                publish(params, stamp)
+
+            box.publish = slow  # type: ignore[method-assign]
+        run_server(server, box)
+    else:
+        mailbox = ShardedMailbox(shards, bounds, policy.pull_fraction, policy.pull_timeout)
+        run_worker(Worker(mailbox.worker, policy, seed=1), mailbox, _least_squares(numel), torch.zeros(numel).double())
+    comm.Barrier()
+    final = snapshot(shards, bounds, torch.empty(numel, dtype=torch.float64))
+    for shard in shards:
+        shard.free()
+    return server, mailbox, final
+
+
+@pytest.mark.parametrize(
+    "policy", [asynchronous(), bsp(), psp(pushes=1), psp(pushes=1, timeout=0.01)], ids=["async", "bsp", "psp", "tau1"]
+)
+def test_every_shard_trains_its_block_and_passes_the_trace_checks(comm, policy):
+    if comm.Get_size() < SERVERS + 1:
+        pytest.skip("two shards and at least one worker need 3 ranks")
+    numel, steps = 101, 30
+    server, _, final = _train(comm, policy, numel, steps)
+    if server is not None:
+        assert server.version == steps
+        counts = check_trace(server.trace, policy, comm.Get_size() - SERVERS)
+        assert counts["pushed"] == counts["applied"] + counts["dropped"] and counts["updates"] == steps
+    # Every rank sees the same final parameters, each block from its own shard, all moved towards the target.
+    assert len({final.numpy().tobytes() for final in comm.allgather(final)}) == 1
+    target = torch.linspace(-1, 1, numel, dtype=torch.float64)
+    assert torch.linalg.norm(final - target) < 0.5 * torch.linalg.norm(target)
+
+
+def test_partial_pull_goes_on_without_a_slow_shard(comm):
+    if comm.Get_size() < SERVERS + 1:
+        pytest.skip("two shards and at least one worker need 3 ranks")
+    policy = psp(pushes=1, pull_fraction=0.5)  # one block of two is enough to start the next round
+    server, mailbox, _ = _train(comm, policy, 64, 30, slow_shard=1)
+    partial = comm.allgather(None if mailbox is None else mailbox.partial_reads)
+    if server is not None:
+        assert server.version == 30
+        check_trace(server.trace, policy, comm.Get_size() - SERVERS)
+    assert sum(p for p in partial if p is not None) > 0, "no worker ever went on with a partial pull"
+
+
+def test_a_full_pull_waits_for_every_shard(comm):
+    if comm.Get_size() < SERVERS + 1:
+        pytest.skip("two shards and at least one worker need 3 ranks")
+    _, mailbox, _ = _train(comm, psp(pushes=1, pull_fraction=1.0), 64, 20, slow_shard=1)
+    partial = comm.allgather(None if mailbox is None else mailbox.partial_reads)
+    assert all(p == 0 for p in partial if p is not None)
+
+
+def test_a_world_without_workers_is_refused(comm):
+    with pytest.raises(ValueError, match="launch at least"):
+        open_shards(comm, 10, comm.Get_size())

@@ -1,0 +1,143 @@
+"""The partial allreduce's encodings and the serverless backup loop, without MPI (a scripted stand-in)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from collsync.checks import check_trace
+from collsync.loops_partial import apply_result, check_policy, run_partial
+from collsync.policy import asynchronous, backup, bsp, ssp
+from collsync.rules import sgd
+from collsync.runtime.mpi_partial import (
+    OVERWRITTEN,
+    PENDING,
+    READY,
+    PartialResult,
+    _posted_for,
+    arrival_index,
+    check_call,
+    lagging,
+    split,
+    tag_state,
+    writing_tag,
+)
+from collsync.server import Server
+from collsync.trace import Trace
+
+
+@pytest.mark.parametrize(
+    ("tag", "round_", "state"),
+    [
+        (-1, 0, PENDING),  # entry never used
+        (writing_tag(5), 5, PENDING),  # this round being written
+        (2, 5, PENDING),  # the entry still holds an earlier round (5 - depth 3)
+        (writing_tag(2), 5, PENDING),
+        (5, 5, READY),
+        (8, 5, OVERWRITTEN),  # reused for round 5 + depth
+        (writing_tag(8), 5, OVERWRITTEN),  # being reused: a reader must not keep what it read
+    ],
+)
+def test_tag_states(tag, round_, state):
+    assert tag_state(tag, round_) == state
+
+
+def test_writing_tags_never_collide_with_empty_or_complete():
+    assert {writing_tag(r) for r in range(100)}.isdisjoint({-1, *range(100)})
+
+
+def test_arrival_index_subtracts_the_earlier_rounds_of_the_entry():
+    # depth 3, 4 ranks: entry 1 served rounds 1 and 4 (4 tickets each) before round 7.
+    assert arrival_index(8, 7, 3, 4) == 0
+    assert arrival_index(11, 7, 3, 4) == 3
+    assert arrival_index(0, 2, 3, 4) == 0
+
+
+def test_split_and_lagging():
+    assert split([3, 0], 5) == ([0, 3], [1, 2, 4])
+    assert split([], 2) == ([], [0, 1])
+    assert lagging([7, 4, 6], round_=9, depth=3) == [1, 2]  # round 9 reuses round 6's entry; 1, 2 have not read it
+    assert lagging([0, 0], round_=2, depth=3) == []
+
+
+def test_posted_for_waits_for_the_quorum_and_rejects_extra():
+    posted = np.array([4, 3, 4, -1])
+    assert _posted_for(posted, 4, 2) == [0, 2]
+    assert _posted_for(posted, 4, 3) is None
+    with pytest.raises(RuntimeError, match="disagree on the quorum"):
+        _posted_for(posted, 4, 1)
+
+
+def test_check_call_names_the_value():
+    with pytest.raises(ValueError, match="round=3, expected round=2"):
+        check_call(4, 2, 2, 3, 1, None)
+    with pytest.raises(ValueError, match="quorum=3 must be in 1..2"):
+        check_call(4, 2, 0, 0, 3, None)
+    with pytest.raises(ValueError, match="tensor has 5 elements"):
+        check_call(4, 2, 0, 0, 1, torch.zeros(5))
+
+
+class Scripted:
+    """A k-of-n partial allreduce of `size` ranks seen from rank 0: rounds rotate who is counted; every third
+    round is complete before rank 0 gets there (try_read answers)."""
+
+    rank = 0
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.calls = 0
+
+    def _result(self, quorum: int, round: int, late: bool) -> PartialResult:
+        order = [(round + i) % self.size for i in range(self.size)]
+        counted = [r for r in order if not (late and r == 0)][:quorum]
+        contributors, dropped = split(counted, self.size)
+        return PartialResult(torch.full((3,), float(round)), round, quorum, contributors, dropped)
+
+    def __call__(self, tensor: torch.Tensor, quorum: int, round: int) -> PartialResult:
+        self.calls += 1
+        return self._result(quorum, round, late=False)
+
+    def try_read(self, quorum: int, round: int) -> PartialResult | None:
+        return self._result(quorum, round, late=True) if round % 3 == 2 else None
+
+
+def test_run_partial_traces_every_gradient_applied_or_dropped_once():
+    policy, steps = backup(1), 9
+    trace = Trace()
+    server = Server(torch.zeros(3), sgd(lr=1.0), policy, 4, steps=steps, trace=trace)
+    pa = Scripted(4)
+    run_partial(server, pa, lambda params, worker, index: torch.ones(3))
+    counts = check_trace(trace, policy, 4)
+    assert counts == {"pushed": 36, "applied": 27, "dropped": 9, "updates": steps}
+    assert pa.calls == 6  # rounds 2, 5, 8 were read without computing a gradient
+    assert torch.equal(server.params, -torch.arange(steps, dtype=torch.float32).sum().expand(3))
+    assert {e["reason"] for e in trace.of("drop")} == {"late", "finished"}
+
+
+def test_dropped_ranks_are_traced_as_late_then_finished():
+    trace = Trace()
+    server = Server(torch.zeros(2), sgd(), backup(1), 2, steps=2, trace=trace)
+    for t in range(2):
+        apply_result(server, PartialResult(torch.ones(2), t, 1, [0], [1]))
+    drops = trace.of("drop")
+    assert [(e["worker"], e["clock"], e["reason"]) for e in drops] == [(1, 0, "late"), (1, 1, "finished")]
+    assert server.dropped == 2 and server.applied == 2 and server.version == 2
+
+
+def test_apply_result_rejects_a_round_out_of_step():
+    server = Server(torch.zeros(2), sgd(), bsp(), 1)
+    with pytest.raises(ValueError, match="round 1 applied to a replica at version 0"):
+        apply_result(server, PartialResult(torch.zeros(2), 1, 1, [0], []))
+
+
+@pytest.mark.parametrize("policy", [asynchronous(), ssp(2), ssp(0, timeout=0.1)])
+def test_policies_the_partial_allreduce_cannot_run(policy):
+    with pytest.raises(ValueError, match="runtime=partial runs sync=bsp or sync=backup"):
+        check_policy(policy)
+
+
+def test_world_must_match_the_server():
+    server = Server(torch.zeros(2), sgd(), bsp(), 3, steps=1)
+    with pytest.raises(ValueError, match="workers=3, the world has 4 ranks"):
+        run_partial(server, Scripted(4), lambda params, worker, index: params)
