@@ -132,7 +132,7 @@ def run_server(server: Server, mailbox: Mailbox, on_update: Callable[[Server], N
             mailbox.publish(server.view(), server.stamp())
             if on_update is not None:
                 on_update(server)
-    for arrival in mailbox.close():
+    for arrival in mailbox.close(timeout=policy.deadline):
         server.accept(arrival)
     return server
 

@@ -211,9 +211,9 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
         if sampler is not None:
             # An injected delay must hold this rank's gradient back, so the reduction follows it (no overlap).
             grads = _injected(grads, sampler, spec.time_scale, lambda: False)
-        else:
+        elif spec.bucket_mib > 0:
             # Gradient buckets are reduced while the backward pass runs; the mean is ready when it returns.
-            reducer = BucketReducer(comm, flat)
+            reducer = BucketReducer(comm, flat, max(1, int(spec.bucket_mib * 2**20)))
             grads = reducer.averaged(grads)
         server = _server(cfg, parts, flat, workers, trace)
         bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)

@@ -34,8 +34,9 @@ class Mailbox(Protocol):
         """Make `params` at `stamp` what the next `read` returns (never a torn mix of two versions)."""
         ...
 
-    def close(self) -> list[Arrival]:
-        """After the final (done) publish: wait for every worker to stop; return gradients still in flight."""
+    def close(self, timeout: float | None = None) -> list[Arrival]:
+        """After the final (done) publish: wait for every worker to stop (at most `timeout` seconds, then a
+        `TimeoutError` naming the workers still out); return gradients still in flight."""
         ...
 
 

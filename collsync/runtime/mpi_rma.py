@@ -275,18 +275,23 @@ class WindowMailbox:
         self._store(0, self._seq)
         self._release()
 
-    def close(self) -> list[Arrival]:
+    def close(self, timeout: float | None = None) -> list[Arrival]:
         left: list[Arrival] = []
         backoff = self._backoff
         backoff.reset()
+        end = None if timeout is None else time.monotonic() + timeout
         while True:
-            finished = all(self._load(self._slot(w) + 3) for w in range(self.workers))
+            out = [w for w in range(self.workers) if not self._load(self._slot(w) + 3)]
             for w in range(self.workers):
                 arrival = self._take(w)
                 if arrival is not None:
                     left.append(arrival)
-            if finished:
+            if not out:
                 return left
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(
+                    f"training is over but worker(s) {out} did not stop within deadline={timeout}s (stuck or gone)"
+                )
             backoff.wait()
 
     def free(self) -> None:

@@ -24,12 +24,15 @@ class RuntimeSpec:
     inject_stragglers: bool = False
     time_scale: float = 0.01
     depth: int = 8
+    bucket_mib: float = 4.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("sim", "mpi", "allreduce", "partial"):
             raise ValueError(f"runtime: kind={self.kind!r} must be one of sim, mpi, allreduce, partial")
         if self.depth < 1:
             raise ValueError(f"runtime: depth={self.depth} must be >= 1")
+        if self.bucket_mib < 0:
+            raise ValueError(f"runtime: bucket_mib={self.bucket_mib} must be >= 0 (0: no buckets)")
         if self.workers < 1:
             raise ValueError(f"runtime: workers={self.workers} must be >= 1")
         if not self.time_scale > 0:
@@ -66,9 +69,14 @@ def mpi(servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0
     return RuntimeSpec("mpi", servers=servers, inject_stragglers=inject_stragglers, time_scale=time_scale)
 
 
-def allreduce(inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
-    """Serverless full sync over MPI collectives: every rank is a worker (BSP only)."""
-    return RuntimeSpec("allreduce", inject_stragglers=inject_stragglers, time_scale=time_scale)
+def allreduce(bucket_mib: float = 4.0, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
+    """Serverless full sync over MPI collectives: every rank is a worker (BSP only).
+
+    `bucket_mib`: gradients are averaged in buckets of about this many MiB with `MPI_Iallreduce` while the
+    backward pass runs (overlap, as Horovod's tensor fusion and DDP's buckets); 0: one blocking `MPI_Allreduce` of
+    the whole gradient after backward (faster where there is no spare core to progress MPI, see benchmarks/).
+    """
+    return RuntimeSpec("allreduce", inject_stragglers=inject_stragglers, time_scale=time_scale, bucket_mib=bucket_mib)
 
 
 def partial(depth: int = 8, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:

@@ -46,9 +46,10 @@ def applies(tmp_path: Path) -> list[dict]:
         ["sync=async", "optimizer=sgd", "steps=300"],
         ["sync=ssp", "optimizer=sgd"],
         ["runtime=allreduce", "sync=bsp"],
+        ["runtime=allreduce", "sync=bsp", "runtime.bucket_mib=0"],
         ["runtime=partial", "sync=backup", "sync.backups=1"],
     ],
-    ids=["backup", "async", "ssp", "allreduce", "partial"],
+    ids=["backup", "async", "ssp", "allreduce", "allreduce-unbucketed", "partial"],
 )
 def test_four_ranks_train_digits(tmp_path, overrides):
     proc = launch(tmp_path, 4, "steps=150", "eval_every=50", *overrides)

@@ -102,8 +102,8 @@ def test_server_and_workers_over_windows(comm, policy, rule):
 
             close = box.close
 
-            def closing():
-                left = close()
+            def closing(timeout=None):
+                left = close(timeout)
                 received.extend(left)
                 return left
 
@@ -120,3 +120,18 @@ def test_server_and_workers_over_windows(comm, policy, rule):
                 Worker(box.worker, policy, seed=1), box, _least_squares(numel), torch.empty(numel, dtype=torch.float64)
             )
             assert sent > 0
+
+
+def test_close_names_a_worker_that_never_stops(comm):
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    with WindowMailbox(comm, 4, dtype=torch.float64) as box:
+        if box.is_server:
+            box.publish(torch.zeros(4, dtype=torch.float64), Stamp(1, done=True))
+            with pytest.raises(TimeoutError, match=r"worker\(s\) \[0\] did not stop within deadline=0.2s"):
+                box.close(timeout=0.2)  # worker 0 (rank 1) reads the done stamp only after the deadline
+        elif box.worker == 0:
+            time.sleep(1.0)
+        if not box.is_server:
+            assert box.read(torch.empty(4, dtype=torch.float64), lambda s: True).done
+        comm.Barrier()
