@@ -71,8 +71,12 @@ class SyncPolicy:
                 raise ValueError(f"{self.name}: {key}={value!r} must be >= 0")
             if value is not None and self.rounds:
                 raise ValueError(f"{self.name}: {key} (B-FASGD) needs an asynchronous policy (sync=async)")
-        if self.timeout is not None and self.deadline is not None and not self.timeout < self.deadline:
-            raise ValueError(f"{self.name}: timeout={self.timeout} must be < deadline={self.deadline}")
+        # Timeouts are ordered: collecting (tau1) and pulling (tau2) give up on stragglers long before the deadline
+        # that declares the run stuck.
+        for key in ("timeout", "pull_timeout"):
+            value = getattr(self, key)
+            if value is not None and self.deadline is not None and not value < self.deadline:
+                raise ValueError(f"{self.name}: {key}={value} must be < deadline={self.deadline}")
 
     def check(self, workers: int) -> None:
         """Fail before training when the policy cannot run with this many workers."""

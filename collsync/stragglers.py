@@ -9,8 +9,9 @@ G(alpha, mu / alpha) has mean mu and coefficient of variation V):
   G(a_task, p[j] / a_task): some machines are slow all the time (V_mach = 0.6 in the paper).
 
 Message delays: with probability `delay_prob` a gradient's message is late by `delay` seconds (003_...: 0.16% of
-pulls delayed by 4 s). Frozen workers stop at `frozen_at` and never send again. `slow_server` is extra server
-seconds per update, carried for runtimes that model a slow parameter server (003_...).
+pulls delayed by 4 s). Frozen workers stop at `frozen_at` and never send again. `slow_server` is extra seconds the
+server of shard `slow_shard` spends on each update before its workers see it (a slow parameter server, 003_...):
+the simulator holds its server busy that long, real runs with injected stragglers sleep it (times the time scale).
 
 Every draw is a pure function of (seed, worker, index): numpy generators seeded with [seed, stream, worker, block]
 draw blocks of 256 values, cached. So simulated and real runs see the same numbers whatever order they ask in,
@@ -48,6 +49,7 @@ class Stragglers:
     frozen: tuple[int, ...] = field(default_factory=tuple)
     frozen_at: float = 0.0
     slow_server: float = 0.0
+    slow_shard: int = 0
 
     def __post_init__(self) -> None:
         # Hydra hands over a ListConfig; keep a tuple so the dataclass stays hashable.
@@ -67,6 +69,8 @@ class Stragglers:
             value = getattr(self, key)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"stragglers: {key}={value} must be >= 0 seconds")
+        if self.slow_shard < 0:
+            raise ValueError(f"stragglers: slow_shard={self.slow_shard} must be a shard index >= 0")
         if any(w < 0 for w in self.frozen):
             raise ValueError(f"stragglers: frozen={list(self.frozen)} must hold worker indices >= 0")
 
@@ -190,3 +194,9 @@ def rare_delays(mean: float = 1.0, delay_prob: float = 0.0016, delay: float = 4.
 def frozen_worker(worker: int = 0, at: float = 10.0, mean: float = 1.0) -> Stragglers:
     """Worker `worker` stops for good at time `at` seconds (a hung or SIGSTOPped rank)."""
     return Stragglers("constant", mean=mean, frozen=(worker,), frozen_at=at)
+
+
+def slow_server(seconds: float = 1.0, shard: int = 0, mean: float = 1.0) -> Stragglers:
+    """A slow parameter server (003_...): the server of shard `shard` spends `seconds` more on every update before
+    its workers see it; every batch takes `mean` seconds."""
+    return Stragglers("constant", mean=mean, slow_server=seconds, slow_shard=shard)

@@ -119,6 +119,17 @@ def _check_fit(parts: Parts, workers: int | None) -> None:
         raise ValueError("runtime=allreduce cannot go on past a frozen worker; use runtime=mpi with sync=backup")
     if parts.policy.timeout is not None and parts.runtime.kind == "allreduce":
         raise ValueError("runtime=allreduce has no server to time out; use runtime=mpi")
+    slow = parts.stragglers.slow_server if parts.stragglers is not None else 0.0
+    if slow and parts.runtime.kind in ("allreduce", "partial") and parts.runtime.inject_stragglers:
+        raise ValueError(f"stragglers.slow_server={slow} needs a server: use runtime=mpi, not {parts.runtime.kind}")
+    if slow and parts.runtime.kind != "mpi" and parts.stragglers.slow_shard != 0:
+        raise ValueError(
+            f"stragglers: slow_shard={parts.stragglers.slow_shard} needs runtime=mpi with that many servers"
+        )
+    if slow and parts.runtime.kind == "mpi" and parts.stragglers.slow_shard >= parts.runtime.servers:
+        raise ValueError(
+            f"stragglers: slow_shard={parts.stragglers.slow_shard} must be < runtime.servers={parts.runtime.servers}"
+        )
     if parts.runtime.kind == "partial":
         from collsync.loops_partial import check_policy
 
@@ -314,6 +325,9 @@ def _run_shards(
                 final_later=servers > 1,
             )
             evaluate(server)
+        model = parts.stragglers
+        if sampler is not None and model.slow_server > 0 and rank == model.slow_shard:
+            _slow_server(shards[rank], model.slow_server * spec.time_scale)
         run_server(server, shards[rank], on_update=evaluate)
         if rank == 0 and bar is not None:
             bar.close()
@@ -325,7 +339,7 @@ def _run_shards(
         if sampler is not None:
             grads = _injected(grads, sampler, spec.time_scale, lambda: mailbox.peek().done)
         run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
-        mine = None
+        mine = mailbox.partial_reads
     blocks = comm.gather(mine, root=0)
     for shard in shards:
         shard.free()
@@ -336,8 +350,22 @@ def _run_shards(
     if servers > 1:
         assert evaluate is not None
         evaluate.record(server.version, params, ema)
-    extra = {"shards": [{"rank": j, "params": list(bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])]}
+    extra = {
+        "shards": [{"rank": j, "params": list(bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])],
+        "partial_pulls": sum(blocks[servers:]),  # reads that went on without every shard (PSP's partial pull)
+    }
     return _finish(cfg, parts, server, trace, out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
+
+
+def _slow_server(mailbox: Any, seconds: float) -> None:
+    """A slow server shard in a real run: every publish comes `seconds` late, the server busy meanwhile."""
+    publish = mailbox.publish
+
+    def slow(params: torch.Tensor, stamp: Any) -> None:
+        time.sleep(seconds)
+        publish(params, stamp)
+
+    mailbox.publish = slow
 
 
 def _injected(grads: GradFn, sampler: Any, scale: float, finished: Callable[[], bool]) -> GradFn:

@@ -19,7 +19,7 @@ from collsync.server import Server
 from collsync.trace import Trace
 from collsync.types import Arrival, Flat
 
-_PUSH, _TIMEOUT = 0, 1
+_PUSH, _TIMEOUT, _WAKE = 0, 1, 2
 
 
 class Deadlock(RuntimeError):
@@ -94,10 +94,20 @@ class Simulator:
 
         for w in range(self.workers):
             try_start(w)
+        slow = self.sampler.model.slow_server if self.sampler is not None else 0.0
+        busy_until = 0.0
         while self._heap:
             t, _, kind, w, payload = heapq.heappop(self._heap)
             self.now = t
+            if kind == _PUSH and t < busy_until:
+                # A slow server is still busy with its last update: the gradient waits for it, in arrival order.
+                self._schedule(busy_until, _PUSH, w, payload)
+                continue
             before = server.version
+            if kind == _WAKE:
+                for v in payload:
+                    try_start(v)
+                continue
             if kind == _PUSH:
                 arrival: Arrival = payload
                 server.accept(arrival)
@@ -110,6 +120,11 @@ class Simulator:
                 woken |= waiting
                 waiting.clear()
             self._arm_timeout(server)
+            if slow > 0 and server.version != before and not server.done:
+                # Workers see the new version only once the slow server is done with it.
+                busy_until = self.now + slow
+                self._schedule(busy_until, _WAKE, -1, sorted(woken))
+                woken = set()
             for v in sorted(woken):
                 try_start(v)
             if server.done and self._frozen_clock is None:

@@ -95,6 +95,16 @@ def test_five_ranks_reach_the_simulators_accuracy(tmp_path, overrides):
         assert [shard["updates"] for shard in real["shards"]] == [300, 300]
 
 
+def test_psp_partial_pull_goes_on_without_a_slow_shard(tmp_path):
+    slow = ["stragglers=slow_server", "stragglers.shard=1", "stragglers.seconds=1", "runtime.time_scale=0.005"]
+    overrides = ["sync=psp", "runtime.servers=2", "sync.pull_fraction=0.5", "runtime.inject_stragglers=true"]
+    proc = launch(tmp_path, 5, "steps=100", *overrides, *slow)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = summary(tmp_path)
+    assert [shard["updates"] for shard in result["shards"]] == [100, 100]
+    assert result["partial_pulls"] > 0  # workers went on with shard 0's block while shard 1 was busy
+
+
 def test_too_many_backups_for_the_world_fails_with_the_rank_named(tmp_path):
     proc = launch(tmp_path, 3, "sync=backup", "sync.backups=2")
     assert proc.returncode != 0

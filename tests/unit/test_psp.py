@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.policy import SyncPolicy, psp, ssp
+from collsync.policy import SyncPolicy, asynchronous, bsp, psp, ssp
 from collsync.rules import sgd
 from collsync.runtime.mpi_shards import shard_bounds
 from collsync.server import Server
-from collsync.stragglers import frozen_worker
+from collsync.stragglers import frozen_worker, slow_server
 from collsync.trace import Trace
 from collsync.types import Arrival
 from tests.sim.helpers import simulate
@@ -42,6 +42,7 @@ def test_psp_defaults_are_the_papers_push_28_of_32_pull_90_percent():
         (lambda: psp(push_fraction=1.5), "push_fraction=1.5 must be in"),
         (lambda: psp(pull_timeout=-1.0), "pull_timeout=-1.0 must be > 0"),
         (lambda: psp(timeout=3.0, deadline=2.0), "timeout=3.0 must be < deadline=2.0"),
+        (lambda: psp(pull_timeout=2.0, deadline=2.0), "pull_timeout=2.0 must be < deadline=2.0"),
         (lambda: SyncPolicy("x", quorum=2, push_fraction=0.5), "push_fraction=0.5 and quorum"),
     ],
 )
@@ -125,3 +126,20 @@ def test_shard_bounds_cover_the_vector_in_balanced_blocks():
         assert max(sizes) - min(sizes) <= 1 and len(bounds) == shards
     with pytest.raises(ValueError, match="servers=5 must be between 1 and the 4 parameters"):
         shard_bounds(4, 5)
+
+
+def test_a_slow_simulated_server_delays_every_update_by_its_time():
+    # BSP, 2 workers, every batch 1 s, the server 1 s per update: update k lands at 2k - 1 instead of k.
+    for seconds, expected in [(0.0, [8.0, 9.0, 10.0]), (1.0, [15.0, 17.0, 19.0])]:
+        _, sim = simulate(bsp(), 2, steps=10, stragglers=slow_server(seconds=seconds))
+        assert [e["t"] for e in sim.trace.of("apply")][-3:] == expected
+    # Async, 3 workers: a busy server applies one gradient per second; none is lost.
+    policy = asynchronous()
+    _, sim = simulate(policy, 3, steps=12, stragglers=slow_server(seconds=1.0))
+    assert [e["t"] for e in sim.trace.of("apply")][-3:] == [10.0, 11.0, 12.0]
+    check_trace(sim.trace, policy, 3)
+
+
+def test_slow_shard_must_name_a_shard():
+    with pytest.raises(ValueError, match="slow_shard=-1"):
+        slow_server(shard=-1)
