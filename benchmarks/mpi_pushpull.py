@@ -2,7 +2,8 @@
 
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/mpi_pushpull.py [--numel 1048576] [--reps 200]
 
-Rank 0 hosts; rank 1 measures. Raw: `Get`/`Put` + `Flush` on a plain window inside a `Lock_all` epoch. Mailbox:
+Rank 0 hosts; rank 1 measures, alternating raw and mailbox operations rep by rep (the machine is noisy). Raw:
+`Get`/`Put` + `Flush` on a plain window inside a `Lock_all` epoch. Mailbox:
 `WindowMailbox.read` (version check + Get + seqlock re-check) and `send` (slot check, Put, header, flag), with
 rank 0 running the server's `recv` loop. Reported: effective bytes/s ratio mailbox / raw (target >= 0.5).
 
@@ -39,29 +40,12 @@ def main() -> None:
     rank, n = comm.Get_rank(), args.numel
     nbytes = n * 4
 
-    # Raw baseline.
+    # Raw baseline and mailbox, interleaved rep by rep so that both see the same machine (it is noisy): rank 1
+    # times a raw Get, a mailbox pull, a raw Put, a mailbox push; rank 0 runs the server's receive loop throughout.
     win = MPI.Win.Allocate(nbytes if rank == 0 else 0, 4, comm=comm)
     win.Lock_all()
-    buf = np.ones(n, dtype=np.float32)
-    raw_get, raw_put = [], []
-    comm.Barrier()
-    if rank == 1:
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            win.Get([buf, MPI.FLOAT], 0)
-            win.Flush(0)
-            raw_get.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            win.Put([buf, MPI.FLOAT], 0)
-            win.Flush(0)
-            raw_put.append(time.perf_counter() - t)
-    comm.Barrier()
-    win.Unlock_all()
-    win.Free()
-
-    # Mailbox.
     box = WindowMailbox(comm, n)
-    pulls, pushes, acks = [], [], []
+    raw_get, raw_put, pulls, pushes, acks = [], [], [], [], []
     if rank == 0:
         box.publish(torch.ones(n), Stamp(1))
         for _ in range(args.reps):
@@ -69,8 +53,13 @@ def main() -> None:
         box.publish(torch.ones(n), Stamp(2, done=True))
         box.close()
     else:
+        buf = np.ones(n, dtype=np.float32)
         out, grad = torch.empty(n), torch.ones(n)
         for i in range(args.reps):
+            t = time.perf_counter()
+            win.Get([buf, MPI.FLOAT], 0)
+            win.Flush(0)
+            raw_get.append(time.perf_counter() - t)
             t = time.perf_counter()
             box.read(out, lambda s: True, fetch=False)  # the wait for the server to deal with our last push
             acks.append(time.perf_counter() - t)
@@ -78,10 +67,16 @@ def main() -> None:
             box.read(out, lambda s: True)
             pulls.append(time.perf_counter() - t)
             t = time.perf_counter()
+            win.Put([buf, MPI.FLOAT], 0)
+            win.Flush(0)
+            raw_put.append(time.perf_counter() - t)
+            t = time.perf_counter()
             box.send(Arrival(0, 1, grad, i))
             pushes.append(time.perf_counter() - t)
         box.read(out, lambda s: s.done)
     box.free()
+    win.Unlock_all()
+    win.Free()
     if rank == 1:
         med = statistics.median
         result = {
