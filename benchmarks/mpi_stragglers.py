@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(ranks: int, overrides: list[str], folder: Path) -> list[float]:
-    """Launch one run; return the wall times of its updates (seconds since start, from rank 0's trace)."""
+    """Launch one run; return the wall times of its updates (seconds since start, from rank 0's trace). The run's
+    summary.json stays in `folder`."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     args = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "collsync.cli"]
     args += [f"hydra.run.dir={folder}", "progress=false", "runtime=mpi", *overrides]

@@ -331,7 +331,9 @@ def _run_shards(
         run_server(server, shards[rank], on_update=evaluate)
         if rank == 0 and bar is not None:
             bar.close()
-        counts = check_trace(trace, parts.policy, workers)
+        applies = trace.of("apply")
+        # Each shard's own clock starts at the (collective) window creation: close enough to compare shards.
+        counts = {**check_trace(trace, parts.policy, workers), "last_update_s": applies[-1]["t"] if applies else 0.0}
         mine: Any = (server.params, server.ema, server.version, counts)
     else:
         worker = Worker(shards[0].worker, parts.policy, seed=int(cfg.seed))

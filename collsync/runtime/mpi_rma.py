@@ -155,11 +155,16 @@ class WindowMailbox:
             backoff.wait()
 
     def try_read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp | None:
-        """One look: None if nothing is published or the stamp is not `ready`; else the stamp, with the parameters
-        copied into `out` (a copy torn by a concurrent publish is retried at once: the stamp was ready)."""
+        """One look: None if nothing is published or the stamp is not `ready` (then `out` is untouched); else the
+        stamp, with the parameters copied into `out` (a copy torn by a concurrent publish is retried until clean:
+        versions only grow, so the newer one is ready too)."""
         buf = out.detach().numpy()
+        torn = False  # `out` holds a copy torn by a publish: retry until it is clean, never hand it back as is
         while True:
             seq, version, done, v = (int(x) for x in self._load_header())
+            if seq % 2 and torn:
+                self._backoff.wait()
+                continue
             if seq == 0 or seq % 2:  # 0: nothing published yet; odd: a publish is under way
                 return None
             stamp = Stamp(version, bool(done), _as_float(v))
@@ -183,6 +188,7 @@ class WindowMailbox:
             if self._load(0) == seq:
                 self.bytes_fetched += buf.nbytes
                 return stamp
+            torn = True
 
     def snapshot(self, out: Flat) -> Stamp:
         """The parameters last published, copied into `out` (any rank, e.g. an evaluator; never marks finished)."""

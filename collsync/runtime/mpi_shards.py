@@ -6,7 +6,9 @@ one another. A worker sees them through one `ShardedMailbox`, the same `Mailbox`
 
 * read: poll every shard; copy in each block whose shard has the round the worker needs. With PSP's partial pull
   (003_... Alg. 1, worker lines 8-15) the worker goes on once `pull_fraction` of the blocks are in, after waiting
-  at most `pull_timeout` seconds more for the rest; a block it did not get stays what it was, with its old version.
+  at most `pull_timeout` seconds more for the rest; for those it takes the newest block their shard published
+  (older than the round it needs; with RMA there is no response in flight to wait for), tagged with that version.
+  The first read waits for every block: before it the worker has nothing to compute on.
 * send: block j of the gradient goes to shard j, tagged with the version of block j the worker computed on (so
   each shard measures staleness against its own counter) and with the worker's round.
 
@@ -73,6 +75,7 @@ class ShardedMailbox:
         self.versions = [0] * len(shards)
         self.done = [False] * len(shards)
         self.partial_reads = 0  # reads that went on without every block (PSP's partial pull at work)
+        self._had = [False] * len(shards)  # blocks this worker has received at least once
         self._backoff = Backoff()
 
     def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
@@ -90,15 +93,29 @@ class ShardedMailbox:
             if len(got) == len(self.shards) and not live:
                 self.done = [True] * len(self.shards)
                 return Stamp(max(s.version for s in got.values()), True)
-            if len(got) == len(self.shards) or (len(got) >= self.need and live and self._waited(enough_since)):
+            # A block never received holds nothing to compute on: until every shard has been read once, wait for all.
+            enough = (
+                len(got) >= self.need and live and all(self._had[j] for j in range(len(self.shards)) if j not in got)
+            )
+            if len(got) == len(self.shards) or (enough and self._waited(enough_since)):
                 break
-            if len(got) >= self.need and live and enough_since is None:
+            if enough and enough_since is None:
                 enough_since = time.monotonic()
             self._backoff.wait()
         if len(got) < len(self.shards):
             self.partial_reads += 1
+            if fetch:
+                # The shards not at the round yet: their newest published block, if it can be had without waiting
+                # (with RMA nothing is in flight to wait for), rather than the older one this worker holds.
+                for j, shard in enumerate(self.shards):
+                    if j not in got and not self.done[j]:
+                        start, stop = self.bounds[j]
+                        stale = shard.try_read(out[start:stop], lambda _: True, True)
+                        if stale is not None and not stale.done:
+                            self.versions[j] = stale.version
         for j, s in got.items():
             self.done[j] = s.done
+            self._had[j] = self._had[j] or (fetch and not s.done)
             if not s.done and fetch:
                 self.versions[j] = s.version
         # The round the worker may compute next follows the oldest block it just received.

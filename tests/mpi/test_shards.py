@@ -54,7 +54,9 @@ def _train(comm, policy, numel: int, steps: int, slow_shard: int | None = None):
         run_server(server, box)
     else:
         mailbox = ShardedMailbox(shards, bounds, policy.pull_fraction, policy.pull_timeout)
-        run_worker(Worker(mailbox.worker, policy, seed=1), mailbox, _least_squares(numel), torch.zeros(numel).double())
+        # NaN until read: a block the worker never received would poison every gradient it computes.
+        params = torch.full((numel,), float("nan"), dtype=torch.float64)
+        run_worker(Worker(mailbox.worker, policy, seed=1), mailbox, _least_squares(numel), params)
     comm.Barrier()
     final = snapshot(shards, bounds, torch.empty(numel, dtype=torch.float64))
     for shard in shards:
@@ -84,12 +86,14 @@ def test_partial_pull_goes_on_without_a_slow_shard(comm):
     if comm.Get_size() < SERVERS + 1:
         pytest.skip("two shards and at least one worker need 3 ranks")
     policy = psp(pushes=1, pull_fraction=0.5)  # one block of two is enough to start the next round
-    server, mailbox, _ = _train(comm, policy, 64, 30, slow_shard=1)
+    server, mailbox, final = _train(comm, policy, 64, 30, slow_shard=1)
     partial = comm.allgather(None if mailbox is None else mailbox.partial_reads)
     if server is not None:
         assert server.version == 30
         check_trace(server.trace, policy, comm.Get_size() - SERVERS)
+        assert torch.isfinite(server.params).all()
     assert sum(p for p in partial if p is not None) > 0, "no worker ever went on with a partial pull"
+    assert torch.isfinite(final).all()  # no block was computed on before it was first received
 
 
 def test_a_full_pull_waits_for_every_shard(comm):
