@@ -62,7 +62,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from collsync.runtime.mpi_rma import Backoff
+from collsync.runtime.mpi_rma import Backoff, Windows
 from collsync.types import Flat
 
 T = TypeVar("T")
@@ -129,7 +129,7 @@ def check_call(numel: int, size: int, expected_round: int, got: int, quorum: int
         raise ValueError(f"partial allreduce: tensor has {tensor.numel()} elements, the windows hold {numel=}")
 
 
-class PartialAllreduce:
+class PartialAllreduce(Windows):
     """Collective constructor over `comm` (every rank calls it, then every rank calls rounds 0, 1, 2, ... in order).
 
     `pa(tensor, quorum=k, round=t)` contributes `tensor` to round t and returns round t's `PartialResult`;
@@ -191,22 +191,6 @@ class PartialAllreduce:
         for win in (slots, ring, ctrl):
             win.Lock_all()
         return slots, ring, ctrl
-
-    def free(self) -> None:
-        """Collective: close the epochs and free the windows."""
-        for win in self._wins:
-            win.Unlock_all()
-        self.comm.Barrier()
-        for win in self._wins:
-            win.Free()
-        self._wins = ()
-
-    def __enter__(self) -> PartialAllreduce:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._wins:
-            self.free()
 
     # -- control words (atomics, each completed by a Flush) --------------------------------------------------------
     def _fetch(self, disp: int, value: int, op: Any) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -66,7 +66,33 @@ class Backoff:
             self.pause = min(self.cap, self.pause * 2)
 
 
-class WindowMailbox:
+_W = TypeVar("_W", bound="Windows")
+
+
+class Windows:
+    """Windows opened in one `Lock_all` epoch each (`self._wins`), freed together: `free()` or a `with` block."""
+
+    comm: Any
+    _wins: tuple[Any, ...]
+
+    def free(self) -> None:
+        """Collective: close the epochs and free the windows."""
+        for win in self._wins:
+            win.Unlock_all()
+        self.comm.Barrier()
+        for win in self._wins:
+            win.Free()
+        self._wins = ()
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._wins:
+            self.free()
+
+
+class WindowMailbox(Windows):
     """Collective constructor over `comm`: `server_rank` hosts the windows; `workers` lists the worker ranks in
     worker order (default: every other rank). Ranks that are neither (other shards' servers) expose nothing and
     may only `snapshot` the published parameters."""
@@ -299,19 +325,3 @@ class WindowMailbox:
                     f"training is over but worker(s) {out} did not stop within deadline={timeout}s (stuck or gone)"
                 )
             backoff.wait()
-
-    def free(self) -> None:
-        """Collective: close the epochs and free the windows."""
-        for win in self._wins:
-            win.Unlock_all()
-        self.comm.Barrier()
-        for win in self._wins:
-            win.Free()
-        self._wins = ()
-
-    def __enter__(self) -> WindowMailbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._wins:
-            self.free()

@@ -28,18 +28,15 @@ def grads(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
     return (params - TARGET) * (1.0 + 0.1 * worker) + 0.01 * torch.sin(torch.arange(NUMEL) + index + 7.0 * worker)
 
 
+def make(policy: SyncPolicy, workers: int, trace: Trace) -> Server:
+    """The one configuration every runtime here runs: momentum SGD with an EMA, from zeros."""
+    start = torch.zeros(NUMEL, dtype=torch.float64)
+    return Server(start, momentum(lr=0.1), policy, workers, steps=STEPS, ema_decay=0.9, trace=trace)
+
+
 def simulated(policy: SyncPolicy, workers: int) -> Server:
     sim = Simulator(workers, None, seed=0)
-    server = Server(
-        torch.zeros(NUMEL, dtype=torch.float64),
-        momentum(lr=0.1),
-        policy,
-        workers,
-        steps=STEPS,
-        ema_decay=0.9,
-        trace=sim.trace,
-    )
-    return sim.run(server, grads)
+    return sim.run(make(policy, workers, sim.trace), grads)
 
 
 @pytest.mark.parametrize("policy", [bsp(), ssp(0), asynchronous()], ids=["bsp", "ssp0", "async"])
@@ -49,15 +46,7 @@ def test_window_mailbox_run_equals_the_simulator_bitwise(comm, policy):
         pytest.skip("needs a worker; async is order-free only with one worker")
     with WindowMailbox(comm, NUMEL, dtype=torch.float64) as box:
         if box.is_server:
-            server = Server(
-                torch.zeros(NUMEL, dtype=torch.float64),
-                momentum(lr=0.1),
-                policy,
-                workers,
-                steps=STEPS,
-                ema_decay=0.9,
-                trace=Trace(),
-            )
+            server = make(policy, workers, Trace())
             run_server(server, box)
             check_trace(server.trace, policy, workers)
             reference = simulated(policy, workers)
@@ -67,24 +56,12 @@ def test_window_mailbox_run_equals_the_simulator_bitwise(comm, policy):
             run_worker(Worker(box.worker, policy), box, grads, torch.empty(NUMEL, dtype=torch.float64))
 
 
-def _replica(workers: int) -> Server:
-    return Server(
-        torch.zeros(NUMEL, dtype=torch.float64),
-        momentum(lr=0.1),
-        bsp(),
-        workers,
-        steps=STEPS,
-        ema_decay=0.9,
-        trace=Trace(),
-    )
-
-
 def test_serverless_runs_equal_the_simulator_to_float_tolerance(comm):
     n = comm.Get_size()
     reference = simulated(bsp(), n)
-    allreduced = run_allreduce(_replica(n), MpiCollective(comm), grads)
+    allreduced = run_allreduce(make(bsp(), n, Trace()), MpiCollective(comm), grads)
     with PartialAllreduce(comm, NUMEL, dtype=torch.float64) as pa:
-        partial = run_partial(_replica(n), pa, grads)
+        partial = run_partial(make(bsp(), n, Trace()), pa, grads)
     for server in (allreduced, partial):
         assert server.version == STEPS
         torch.testing.assert_close(server.params, reference.params, rtol=1e-12, atol=1e-14)
