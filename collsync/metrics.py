@@ -104,7 +104,8 @@ def _num(value: Any, spec: str = ".4f") -> str:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    """A few aligned lines for the terminal (works on `summary()` and on a summary.json read back)."""
+    """A few aligned lines for the terminal (works on `summary()` and on a summary.json read back). The trace is
+    rank 0's; with server shards, a last line gives every shard's updates and drops."""
     reasons = ", ".join(f"{k} {v}" for k, v in sorted((s.get("dropped_by_reason") or {}).items()))
     gap = f"  gap mean {_num(s['gap_mean'], '.3f')}" if s.get("gap_mean") is not None else ""
     reached = "  ".join(
@@ -123,6 +124,16 @@ def format_summary(s: dict[str, Any]) -> str:
         + (
             [f"bandwidth    pushes {_num(s['push_ratio'])} of possible, fetches {_num(s['fetch_ratio'])}"]
             if (s.get("push_ratio") or 1.0) < 1.0 or (s.get("fetch_ratio") or 1.0) < 1.0
+            else []
+        )
+        + (
+            [
+                f"shards       {len(s['shards'])}: updates "
+                + " / ".join(str(shard["updates"]) for shard in s["shards"])
+                + f"  dropped {' / '.join(str(shard['dropped']) for shard in s['shards'])}"
+                + f"  partial pulls {s.get('partial_pulls', 0)}"
+            ]
+            if s.get("shards")
             else []
         )
     )

@@ -311,3 +311,10 @@ def test_report_cli_missing_trace(backup_trace, tmp_path, capsys):
     assert report_main([str(empty)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("collsync-report: error:") and str(empty / "trace.jsonl") in err and "\n" not in err
+
+
+def test_format_summary_adds_a_line_for_server_shards(async_trace):
+    s = summary(async_trace)
+    s["shards"] = [{"updates": 300, "dropped": 4}, {"updates": 300, "dropped": 7}]
+    s["partial_pulls"] = 12
+    assert format_summary(s).splitlines()[-1] == "shards       2: updates 300 / 300  dropped 4 / 7  partial pulls 12"
