@@ -213,60 +213,69 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
     _check_fit(parts, workers)
     grads: GradFn = Gradients(flat, Batches(parts.data, workers, int(cfg.batch_size), int(cfg.seed)))
     sampler = parts.stragglers.sampler(workers, int(cfg.seed)) if spec.inject_stragglers else None
+    launch = _Launch(cfg, parts, flat, out_dir, comm, workers, grads, sampler)
+    runners = {"allreduce": _run_allreduce, "partial": _run_partial}
+    return runners.get(spec.kind, _run_shards)(launch)
+
+
+@dataclass
+class _Launch:
+    """What every MPI runtime starts from: the config, its parts, the model, this world and the workers' gradients."""
+
+    cfg: DictConfig
+    parts: Parts
+    flat: FlatModel
+    out_dir: Path
+    comm: Any
+    workers: int
+    grads: GradFn
+    sampler: Any  # the straggler draws to inject, or None
+
+
+def _run_allreduce(run: _Launch) -> dict[str, Any] | None:
+    """Serverless full sync: every rank a worker with a server replica, the mean from (bucketed) allreduces."""
+    from collsync.runtime.mpi_coll import BucketReducer, MpiCollective
+
+    cfg, parts, flat, spec, grads = run.cfg, run.parts, run.flat, run.parts.runtime, run.grads
     trace = Trace()
-    if spec.kind == "allreduce":
-        from collsync.runtime.mpi_coll import BucketReducer, MpiCollective
-
-        coll = MpiCollective(comm)
-        reducer = None
-        if sampler is not None:
-            # An injected delay must hold this rank's gradient back, so the reduction follows it (no overlap).
-            grads = _injected(grads, sampler, spec.time_scale, lambda: False)
-        elif spec.bucket_mib > 0:
-            # Gradient buckets are reduced while the backward pass runs; the mean is ready when it returns.
-            reducer = BucketReducer(comm, flat, max(1, int(spec.bucket_mib * 2**20)))
-            grads = reducer.averaged(grads)
-        server = _server(cfg, parts, flat, workers, trace)
-        bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)
-        evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
-        run_allreduce(server, coll, grads, on_update=evaluate if coll.rank == 0 else None, averaged=reducer is not None)
-        if bar is not None:
-            bar.close()
-        result = _finish(cfg, parts, server, trace, out_dir) if coll.rank == 0 else None
-        # The other ranks sleep, rather than spin in MPI, while rank 0 writes the run folder.
-        (reducer or coll).shutdown()
-        return result
-
-    if spec.kind == "partial":
-        return _run_partial(cfg, parts, flat, out_dir, comm, workers, grads, sampler)
-    return _run_shards(cfg, parts, flat, out_dir, comm, workers, grads, sampler)
+    coll = MpiCollective(run.comm)
+    reducer = None
+    if run.sampler is not None:
+        # An injected delay must hold this rank's gradient back, so the reduction follows it (no overlap).
+        grads = _injected(grads, run.sampler, spec.time_scale, lambda: False)
+    elif spec.bucket_mib > 0:
+        # Gradient buckets are reduced while the backward pass runs; the mean is ready when it returns.
+        reducer = BucketReducer(run.comm, flat, max(1, int(spec.bucket_mib * 2**20)))
+        grads = reducer.averaged(grads)
+    server = _server(cfg, parts, flat, run.workers, trace)
+    bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)
+    evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
+    run_allreduce(server, coll, grads, on_update=evaluate if coll.rank == 0 else None, averaged=reducer is not None)
+    if bar is not None:
+        bar.close()
+    result = _finish(cfg, parts, server, trace, run.out_dir) if coll.rank == 0 else None
+    # The other ranks sleep, rather than spin in MPI, while rank 0 writes the run folder.
+    (reducer or coll).shutdown()
+    return result
 
 
-def _run_partial(
-    cfg: DictConfig,
-    parts: Parts,
-    flat: FlatModel,
-    out_dir: Path,
-    comm: Any,
-    workers: int,
-    grads: GradFn,
-    sampler: Any,
-) -> dict[str, Any] | None:
+def _run_partial(run: _Launch) -> dict[str, Any] | None:
     """Serverless backup workers: every rank a worker with a server replica, rounds through a partial allreduce."""
     from collsync.loops_partial import run_partial
     from collsync.runtime.mpi_coll import shutdown
     from collsync.runtime.mpi_partial import PartialAllreduce
 
+    cfg, parts, flat, comm, grads = run.cfg, run.parts, run.flat, run.comm, run.grads
     rank = comm.Get_rank()
-    if sampler is not None:
+    if run.sampler is not None:
         # A frozen rank never comes back here: the others go on while it is within `depth` rounds, then wait for it
         # (for at most sync.deadline, then the run fails naming it).
-        grads = _injected(grads, sampler, parts.runtime.time_scale, lambda: False)
+        grads = _injected(grads, run.sampler, parts.runtime.time_scale, lambda: False)
     trace = Trace()
     pa = PartialAllreduce(
         comm, flat.numel, dtype=flat.params.dtype, depth=parts.runtime.depth, timeout=parts.policy.deadline
     )
-    server = _server(cfg, parts, flat, workers, trace)
+    server = _server(cfg, parts, flat, run.workers, trace)
     bar = _progress(int(cfg.steps), bool(cfg.progress) and rank == 0)
     evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
     if rank == 0:
@@ -275,25 +284,17 @@ def _run_partial(
     if bar is not None:
         bar.close()
     pa.free()  # collective; no `finally`: after a failure cli._fail aborts the world
-    result = _finish(cfg, parts, server, trace, out_dir) if rank == 0 else None
+    result = _finish(cfg, parts, server, trace, run.out_dir) if rank == 0 else None
     shutdown(comm)  # the other ranks sleep, rather than spin in MPI, while rank 0 writes the run folder
     return result
 
 
-def _run_shards(
-    cfg: DictConfig,
-    parts: Parts,
-    flat: FlatModel,
-    out_dir: Path,
-    comm: Any,
-    workers: int,
-    grads: GradFn,
-    sampler: Any,
-) -> dict[str, Any] | None:
+def _run_shards(run: _Launch) -> dict[str, Any] | None:
     """Parameter-server shards on MPI windows: ranks 0..M-1 each serve one block, the other ranks are workers."""
     from collsync.checks import check_trace
     from collsync.runtime.mpi_shards import ShardedMailbox, open_shards, shard_bounds, snapshot
 
+    cfg, parts, flat, comm, workers, grads = run.cfg, run.parts, run.flat, run.comm, run.workers, run.grads
     spec, rank, servers = parts.runtime, comm.Get_rank(), parts.runtime.servers
     bounds = shard_bounds(flat.numel, servers)
     shards = open_shards(comm, flat.numel, servers)
@@ -326,7 +327,7 @@ def _run_shards(
             )
             evaluate(server)
         model = parts.stragglers
-        if sampler is not None and model.slow_server > 0 and rank == model.slow_shard:
+        if run.sampler is not None and model.slow_server > 0 and rank == model.slow_shard:
             _slow_server(shards[rank], model.slow_server * spec.time_scale)
         run_server(server, shards[rank], on_update=evaluate)
         if rank == 0 and bar is not None:
@@ -338,8 +339,8 @@ def _run_shards(
     else:
         worker = Worker(shards[0].worker, parts.policy, seed=int(cfg.seed))
         mailbox = ShardedMailbox(shards, bounds, parts.policy.pull_fraction, parts.policy.pull_timeout)
-        if sampler is not None:
-            grads = _injected(grads, sampler, spec.time_scale, lambda: mailbox.peek().done)
+        if run.sampler is not None:
+            grads = _injected(grads, run.sampler, spec.time_scale, lambda: mailbox.peek().done)
         run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
         mine = mailbox.partial_reads
     blocks = comm.gather(mine, root=0)
@@ -356,7 +357,7 @@ def _run_shards(
         "shards": [{"rank": j, "params": list(bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])],
         "partial_pulls": sum(blocks[servers:]),  # reads that went on without every shard (PSP's partial pull)
     }
-    return _finish(cfg, parts, server, trace, out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
+    return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
 
 
 def _slow_server(mailbox: Any, seconds: float) -> None:

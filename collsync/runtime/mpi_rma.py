@@ -209,9 +209,7 @@ class WindowMailbox(Windows):
                 return None
             if not fetch:
                 return stamp
-            self.win_params.Get([buf, self._mpi_t], self.server)
-            self.win_params.Flush(self.server)
-            if self._load(0) == seq:
+            if self._get_params(buf, seq):
                 self.bytes_fetched += buf.nbytes
                 return stamp
             torn = True
@@ -222,13 +220,15 @@ class WindowMailbox(Windows):
         backoff.reset()
         while True:
             seq, version, done, v = (int(x) for x in self._load_header())
-            if seq > 0 and seq % 2 == 0:
-                buf = out.detach().numpy()
-                self.win_params.Get([buf, self._mpi_t], self.server)
-                self.win_params.Flush(self.server)
-                if self._load(0) == seq:
-                    return Stamp(version, bool(done), _as_float(v))
+            if seq > 0 and seq % 2 == 0 and self._get_params(out.detach().numpy(), seq):
+                return Stamp(version, bool(done), _as_float(v))
             backoff.wait()
+
+    def _get_params(self, buf: np.ndarray, seq: int) -> bool:
+        """Get the published parameters into `buf`; False if a publish moved `seq` meanwhile (the copy is torn)."""
+        self.win_params.Get([buf, self._mpi_t], self.server)
+        self.win_params.Flush(self.server)
+        return self._load(0) == seq
 
     def peek(self) -> Stamp:
         """The stamp last published (possibly mid-publish: for polling only, never to read parameters by)."""
