@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import pytest
@@ -125,13 +126,21 @@ def test_server_and_workers_over_windows(comm, policy, rule):
 def test_close_names_a_worker_that_never_stops(comm):
     if comm.Get_size() < 2:
         pytest.skip("a mailbox needs a server and at least one worker")
+    raised: TimeoutError | None = None
     with WindowMailbox(comm, 4, dtype=torch.float64) as box:
         if box.is_server:
             box.publish(torch.zeros(4, dtype=torch.float64), Stamp(1, done=True))
-            with pytest.raises(TimeoutError, match=r"worker\(s\) \[0\] did not stop within deadline=0.2s"):
-                box.close(timeout=0.2)  # worker 0 (rank 1) reads the done stamp only after the deadline
+            try:
+                box.close(timeout=0.2)
+            except TimeoutError as exc:
+                raised = exc
+            comm.send(None, dest=1)  # only now may worker 0 (rank 1) read the done stamp and stop
         elif box.worker == 0:
-            time.sleep(1.0)
+            comm.recv(source=0)
         if not box.is_server:
             assert box.read(torch.empty(4, dtype=torch.float64), lambda s: True).done
         comm.Barrier()
+    # Asserted after the collective frees: a failure here must fail the test, not leave the other ranks waiting.
+    if box.is_server:
+        assert raised is not None, "close() returned although worker 0 never stopped"
+        assert re.search(r"worker\(s\) \[0\] did not stop within deadline=0.2s", str(raised)), str(raised)
