@@ -104,31 +104,57 @@ def run_worker(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat) ->
         mailbox.send(worker.arrival(grads(params, worker.rank, worker.steps)))
 
 
-def run_server(server: Server, mailbox: Mailbox, on_update: Callable[[Server], None] | None = None) -> Server:
+# How often a server whose workers decide when training ends (`until_left`) looks for workers that left.
+_LEFT_POLL_S = 0.02
+
+
+def run_server(
+    server: Server,
+    mailbox: Mailbox,
+    on_update: Callable[[Server], None] | None = None,
+    *,
+    until_left: bool = False,
+) -> Server:
     """Receive, accept, publish until `server.done`; then drop what is still in flight.
 
     Two clocks run here, as in the simulator: the policy's collection `timeout` starts once per update when the
     server starts collecting (`Server.collecting`) and flushes the update when it fires; the `deadline` is the
     longest the server waits for any gradient at all before it names the workers it waits on.
+
+    `until_left`: the workers' own loops decide when training ends (`collsync.torch`), not `server.steps`. The
+    server stops (`Server.stop`) once every worker left a stream policy, or once any worker left a round policy
+    (the rounds it would have joined can no longer complete); the others then read `done`. The mailbox must offer
+    `departed()` (the workers that left).
     """
     policy = server.policy
     mailbox.publish(server.view(), server.stamp())
     flush_at: float | None = None
     armed: int | None = None
+    last = time.monotonic()  # the last time anything arrived (the deadline counts from it)
+    looked = last
     while not server.done:
         if policy.timeout is not None and server.collecting() and armed != server.version:
             armed, flush_at = server.version, time.monotonic() + policy.timeout
         wait = policy.deadline if flush_at is None else max(0.0, flush_at - time.monotonic())
+        if until_left:
+            wait = _LEFT_POLL_S if wait is None else min(wait, _LEFT_POLL_S)
         arrival = mailbox.recv(timeout=wait)
+        now = time.monotonic()
         before = server.version
         if arrival is not None:
+            last = now
             server.accept(arrival)
-        elif flush_at is not None and time.monotonic() >= flush_at:
+        elif flush_at is not None and now >= flush_at:
             server.flush()
-        elif flush_at is None:
+        elif flush_at is None and policy.deadline is not None and now - last >= policy.deadline:
             raise TimeoutError(_stuck_message(server))
-        if server.version != before:
-            flush_at = None
+        if until_left and (arrival is None or now - looked >= _LEFT_POLL_S):
+            looked = now
+            left = mailbox.departed()  # type: ignore[attr-defined]
+            if left and (policy.rounds or len(left) == server.workers):
+                server.stop()
+        if server.version != before or server.done:
+            flush_at, last = None, now
             mailbox.publish(server.view(), server.stamp())
             if on_update is not None:
                 on_update(server)

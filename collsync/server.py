@@ -71,6 +71,12 @@ class Server:
     def done(self) -> bool:
         return self.steps is not None and self.version >= self.steps
 
+    def stop(self) -> None:
+        """End training at the current version (the workers left: a script's loop, not `steps`, decides when it
+        ends); `done` from now on, and gradients still buffered are dropped."""
+        self.steps = self.version
+        self.drain()
+
     def stamp(self) -> Stamp:
         v = bfasgd_v(self.opt_state) if self.policy.bandwidth_aware else 0.0
         return Stamp(self.version, self.done, v)

@@ -252,7 +252,17 @@ class WindowMailbox(Windows):
         self._store(slot, 1 if arrival.grad is not None else 2)
         self._sent = True
 
+    def leave(self) -> None:
+        """Worker: training is over for this worker (its script's loop ended). A server running `until_left`
+        stops once the policy can go on without it; `close()` stops waiting for it."""
+        if self.worker >= 0:
+            self._store(self._slot(self.worker) + 3, 1)
+
     # -- server side -------------------------------------------------------------------------------------------
+    def departed(self) -> list[int]:
+        """Server: the workers that left (or read the final `done`)."""
+        return [w for w in range(self.workers) if self._load(self._slot(w) + 3)]
+
     def _take(self, w: int, defer: bool = False) -> Arrival | None:
         slot = self._slot(w)
         full = self._load(slot)

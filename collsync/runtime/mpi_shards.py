@@ -134,6 +134,11 @@ class ShardedMailbox:
             block = None if arrival.grad is None else arrival.grad[start:stop]
             shard.send(Arrival(arrival.worker, self.versions[j], block, arrival.clock))
 
+    def leave(self) -> None:
+        """This worker's training is over: every shard is told (see `WindowMailbox.leave`)."""
+        for shard in self.shards:
+            shard.leave()
+
     def peek(self) -> Stamp:
         """Training is over once every shard says so (for polling only)."""
         stamps = [shard.peek() for shard in self.shards]

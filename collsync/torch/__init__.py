@@ -1,0 +1,157 @@
+"""collsync's training-script API, compatible with `horovod.torch`: change `import horovod.torch as hvd` to
+`import collsync.torch as hvd` and choose how workers synchronise with one argument.
+
+    import collsync.torch as hvd
+    hvd.init()                                   # hvd.init(sync="async") reserves a parameter-server rank
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), sync="backup", backups=1)
+
+Launch as under Horovod: `mpiexec -n 5 python train.py` or `srun --mpi=pmi2 -n 5 python train.py`. The modes:
+`bsp` (Horovod's allreduce, on mpi4py or on Horovod itself with `backend="horovod"`), `backup` (k-of-n partial
+allreduce), and the parameter-server modes `async`, `ssp`, `psp`, `bfasgd` (shards on MPI one-sided windows on
+ranks 0..M-1, which serve inside `init()` and never run the script). See `collsync.torch.optimizer` for each mode's
+semantics and `collsync.torch.config` for the options.
+"""
+
+from __future__ import annotations
+
+from collsync.torch._world import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    role,
+    servers,
+    shutdown,
+    size,
+    where,
+    world_rank,
+)
+from collsync.torch.config import SyncConfig, from_config, sync_config
+from collsync.torch.ops import (
+    Adasum,
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    global_process_set,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    synchronize,
+)
+from collsync.torch.optimizer import DistributedOptimizer
+from collsync.torch.partial import partial_allreduce
+from collsync.torch.sync_batch_norm import SyncBatchNorm
+
+
+def _unsupported(name: str) -> object:
+    def call(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError(f"collsync.torch.{name}: not supported by collsync (Horovod has it)")
+
+    call.__name__ = name
+    return call
+
+
+alltoall = _unsupported("alltoall")
+reducescatter = _unsupported("reducescatter")
+grouped_reducescatter = _unsupported("grouped_reducescatter")
+sparse_allreduce_async = _unsupported("sparse_allreduce_async")
+add_process_set = _unsupported("add_process_set")
+remove_process_set = _unsupported("remove_process_set")
+start_timeline = _unsupported("start_timeline")
+stop_timeline = _unsupported("stop_timeline")
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "SyncBatchNorm",
+    "SyncConfig",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "from_config",
+    "gloo_built",
+    "gloo_enabled",
+    "global_process_set",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "partial_allreduce",
+    "poll",
+    "rank",
+    "rocm_built",
+    "role",
+    "servers",
+    "shutdown",
+    "size",
+    "sync_config",
+    "synchronize",
+    "where",
+    "world_rank",
+]

@@ -1,0 +1,243 @@
+"""The world as `collsync.torch` shows it to a training script: who the workers are, and which ranks serve.
+
+With parameter-server modes the first M ranks of the MPI world serve the parameter shards (shard j on rank j, as
+`runtime=mpi` does). They are reserved at `init()`: a server rank never returns from `init()` (it serves until the
+workers leave, then exits with status 0), so the user's script runs on workers only and every Horovod call
+(`rank()`, `size()`, collectives, `broadcast_parameters`) is about the workers alone: `size()` is the number of
+workers, `rank()` is 0..size()-1. Without servers, every rank is a worker, as under Horovod.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from collsync.torch.config import SyncConfig, sync_config
+
+_SERVERS_ENV = "COLLSYNC_SERVERS"
+
+
+@dataclass
+class World:
+    """What `init()` set up. `comm` spans the workers (the script's world); `world` is all of MPI's ranks."""
+
+    world: Any
+    comm: Any
+    servers: int
+    local: Any
+    cross: Any
+    sync: SyncConfig | None
+    backend: str
+    cleanups: list[Any] = field(default_factory=list)
+    joiners: list[Any] = field(default_factory=list)  # the live optimizer's join, if it has one
+
+    @property
+    def server_ranks(self) -> list[int]:
+        return list(range(self.servers))
+
+
+_STATE: World | None = None
+
+
+def state(what: str = "collsync.torch") -> World:
+    """The initialised world, or a clear error naming the call made too early."""
+    if _STATE is None:
+        raise ValueError(f"{what}: collsync.torch is not initialised; call collsync.torch.init() first")
+    return _STATE
+
+
+def init(
+    comm: Any = None,
+    process_sets: Any = None,
+    *,
+    sync: Any = None,
+    servers: int | None = None,
+    backend: str | None = None,
+) -> None:
+    """Initialise collsync (Horovod's `hvd.init()`), reserving parameter-server ranks when the sync mode needs them.
+
+    Args:
+        comm: an mpi4py communicator, or a list of ranks of COMM_WORLD, to run on (default COMM_WORLD).
+        process_sets: Horovod process sets: not supported (NotImplementedError).
+        sync: the default sync mode of `DistributedOptimizer` here (a name such as "async", a `SyncConfig` from
+            `sync_config` or `from_config`, or a `SyncPolicy`). A server mode reserves its servers now.
+        servers: ranks 0..servers-1 serve parameter shards (default: what `sync` says, else the environment
+            variable COLLSYNC_SERVERS, else 0). With servers >= 1 every sync mode runs on the parameter server.
+        backend: "mpi" (default) or "horovod": what reduces gradients under full sync (bsp without servers).
+
+    Raises:
+        ValueError: bad values (the world too small for the servers, an unknown backend).
+        NotImplementedError: process sets.
+    """
+    global _STATE
+    if process_sets is not None:
+        raise NotImplementedError("collsync.torch.init: process sets are not supported (process_sets=...)")
+    from mpi4py import MPI
+
+    from collsync.runtime.mpi_world import check_world_size, launcher_size
+
+    if _STATE is not None:
+        return  # Horovod allows init() more than once
+    world = MPI.COMM_WORLD if comm is None else comm
+    if isinstance(world, (list, tuple)):
+        group = MPI.COMM_WORLD.Get_group().Incl(list(world))
+        world = MPI.COMM_WORLD.Create_group(group)
+        if world == MPI.COMM_NULL:
+            raise ValueError(f"collsync.torch.init: this rank is not in comm={list(comm)}")
+    if comm is None:
+        check_world_size(launcher_size(), world.Get_size())
+    config = sync_config(sync) if sync is not None else None
+    if servers is None:
+        servers = config.servers if config is not None and config.servers else None
+    if servers is None:
+        env = os.environ.get(_SERVERS_ENV, "0")
+        if not env.isdigit():
+            raise ValueError(f"collsync.torch.init: {_SERVERS_ENV}={env!r} must be a whole number")
+        servers = int(env)
+    if servers < 0:
+        raise ValueError(f"collsync.torch.init: servers={servers} must be >= 0")
+    size = world.Get_size()
+    if servers and servers >= size:
+        raise ValueError(
+            f"collsync.torch.init: servers={servers} leave no worker in a world of {size} rank(s); launch at least "
+            f"{servers + 1} ranks (mpiexec -n {servers + 1} ...)"
+        )
+    backend = backend or (config.backend if config is not None else None) or "mpi"
+    if backend not in ("mpi", "horovod"):
+        raise ValueError(f"collsync.torch.init: backend={backend!r} must be 'mpi' or 'horovod'")
+    from collsync.runtime.mpi_world import set_threads
+
+    set_threads(world)  # collective over the whole world: servers included
+    rank = world.Get_rank()
+    is_server = rank < servers
+    comm_w = world.Split(0 if not is_server else 1, rank)
+    if is_server:
+        from collsync.torch._serve import serve_forever
+
+        _STATE = World(world, comm_w, servers, None, None, config, backend)
+        serve_forever(_STATE)  # never returns: the process exits once the workers left
+    local = comm_w.Split_type(MPI.COMM_TYPE_SHARED, key=comm_w.Get_rank())
+    cross = comm_w.Split(local.Get_rank(), comm_w.Get_rank())
+    _STATE = World(world, comm_w, servers, local, cross, config, backend)
+    if backend == "horovod":
+        from collsync.runtime.horovod import init as horovod_init
+
+        horovod_init(comm_w)
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Leave collsync (Horovod's `hvd.shutdown()`): optimizers say goodbye to their servers, windows are freed, the
+    server ranks are told to exit. Collective over the workers; called at exit if the script does not."""
+    global _STATE
+    st = _STATE
+    if st is None:
+        return
+    for close in reversed(st.cleanups):
+        close()
+    st.cleanups.clear()
+    if st.servers:
+        from collsync.torch._serve import release_servers
+
+        release_servers(st)
+    _STATE = None
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def rank() -> int:
+    """This worker's rank among the workers (0..size()-1); server ranks never run the script past `init()`."""
+    return state("rank()").comm.Get_rank()
+
+
+def size() -> int:
+    """The number of workers (the ranks that run the script); the world less the server ranks."""
+    return state("size()").comm.Get_size()
+
+
+def local_rank() -> int:
+    return state("local_rank()").local.Get_rank()
+
+
+def local_size() -> int:
+    return state("local_size()").local.Get_size()
+
+
+def cross_rank() -> int:
+    return state("cross_rank()").cross.Get_rank()
+
+
+def cross_size() -> int:
+    return state("cross_size()").cross.Get_size()
+
+
+def role() -> str:
+    """'worker' on every rank that runs the script. (Server ranks serve inside `init()` and never get here.)"""
+    state("role()")
+    return "worker"
+
+
+def world_rank() -> int:
+    """This rank in the whole MPI world (servers included): what `mpiexec` and error lines number it by."""
+    return state("world_rank()").world.Get_rank()
+
+
+def servers() -> int:
+    """How many ranks serve parameter shards (ranks 0..servers()-1 of the MPI world)."""
+    return state("servers()").servers
+
+
+def where() -> str:
+    """'worker 2 (rank 3 of 5 on node17)': the attribution collsync's errors start with."""
+    st = state()
+    return (
+        f"worker {st.comm.Get_rank()} (rank {st.world.Get_rank()} of {st.world.Get_size()} on "
+        f"{socket.gethostname()})"
+    )
+
+
+def mpi_threads_supported() -> bool:
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    return True
+
+
+def mpi_built() -> bool:
+    return True
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False

@@ -1,0 +1,219 @@
+"""Sync modes for `collsync.torch` by name, with the same option names and checks as the Hydra groups.
+
+`sync_config("backup", backups=1)` reads `conf/sync/backup.yaml`, overrides its keys and instantiates its factory,
+exactly what `collsync-train sync=backup sync.backups=1` does; an option the mode does not have is refused naming
+it. `from_config(cfg)` takes a composed collsync config (a user's own `@hydra.main` over collsync's `conf/`), so
+sweeps over `sync=...` work in a user's script as in `collsync-train`.
+
+The parameter server applies collsync's rule, built from the user's optimizer (`server_rule`): torch's SGD (with
+momentum, Nesterov, weight decay) and Adam map one to one to `collsync.rules.sgd / momentum / nesterov / adam`;
+anything else is refused at construction with a line naming it (pass `rule=` a collsync rule instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import Any
+
+import torch
+
+from collsync.policy import SyncPolicy
+
+MODES = ("bsp", "backup", "async", "ssp", "psp", "bfasgd")
+PENALTIES = ("none", "staleness_aware", "staleness_aware_step", "gap_aware")
+# Modes that have no serverless form: their updates come from a parameter server.
+SERVER_MODES = ("async", "ssp", "psp", "bfasgd")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """A sync mode, resolved: the policy; the penalty and the server's optimizer as config nodes (dicts with
+    `_target_`, as in conf/penalty/ and conf/optimizer/; None: no penalty, and the rule made from the user's
+    torch optimizer); how many server ranks (0: serverless bsp/backup); the full-sync backend; the partial
+    allreduce's depth. Plain values only: worker 0 sends it to the server ranks."""
+
+    policy: SyncPolicy
+    penalty: dict[str, Any] | None = None
+    servers: int = 0
+    backend: str = "mpi"
+    depth: int = 8
+    rule: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+
+def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`conf/<group>/<name>.yaml` with `options` set (each must be one of its keys) and `extra` filled where the file
+    has the key: a plain dict with `_target_`, picklable, so a server rank can build the same object."""
+    from omegaconf import OmegaConf
+
+    path = files("collsync.conf").joinpath(group, f"{name}.yaml")
+    if not path.is_file():
+        known = sorted(p.name[:-5] for p in files("collsync.conf").joinpath(group).iterdir() if p.name.endswith(".yaml"))
+        raise ValueError(f"{group}={name!r} is not one of {', '.join(known)}")
+    node = OmegaConf.load(str(path))
+    for key, value in options.items():
+        if key not in node or key.startswith("_"):
+            keys = [k for k in node if not str(k).startswith("_")]
+            raise ValueError(f"{group}={name}: unknown option {key}={value!r} (options: {', '.join(map(str, keys))})")
+        node[key] = value
+    for key, value in (extra or {}).items():
+        if key in node:
+            node[key] = value
+    # An interpolation left (gap_aware's ${oc.select:optimizer.lr,0.1}) resolves to its default: no root here.
+    return OmegaConf.to_container(OmegaConf.create({"node": node}), resolve=True)["node"]  # type: ignore[index]
+
+
+def build(node: dict[str, Any] | None) -> Any:
+    """Instantiate a node made by `_node`, `server_rule` or `from_config` (None stays None)."""
+    from hydra.utils import instantiate
+
+    return None if node is None else instantiate(node)
+
+
+def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
+    """A `SyncConfig` from a mode name and its options (`conf/sync/<name>.yaml` keys), a `SyncPolicy`, or a
+    `SyncConfig` (returned as is, options refused).
+
+    Besides the mode's own keys: `penalty` (a name from conf/penalty/, or None) and `penalty_options` (its keys),
+    `rule` (a name from conf/optimizer/, e.g. "dana" or "fasgd", for the server instead of the one made from the
+    torch optimizer) and `rule_options` (its keys), `servers` (server ranks; default 1 for async, ssp, psp, bfasgd,
+    else 0), `backend` ("mpi" or "horovod"), `depth` (the partial allreduce's ring).
+    """
+    penalty = options.pop("penalty", None)
+    penalty_options = options.pop("penalty_options", None) or {}
+    servers = options.pop("servers", None)
+    backend = options.pop("backend", "mpi")
+    depth = options.pop("depth", 8)
+    rule = options.pop("rule", None)
+    rule_options = options.pop("rule_options", None) or {}
+    if isinstance(sync, SyncConfig):
+        if options or penalty is not None or servers is not None:
+            raise ValueError(f"sync={sync.name}: options are set on the SyncConfig itself, not beside it")
+        return sync
+    if isinstance(sync, SyncPolicy):
+        if options:
+            raise ValueError(f"sync={sync.name}: options {sorted(options)} beside a SyncPolicy (set them on it)")
+        policy = sync
+    elif isinstance(sync, str):
+        if sync not in MODES:
+            raise ValueError(f"sync={sync!r} is not one of {', '.join(MODES)}")
+        policy = build(_node("sync", sync, options))
+    else:
+        raise TypeError(f"sync must be a mode name, a SyncPolicy or a SyncConfig, got {type(sync).__name__}")
+    if servers is None:
+        servers = 1 if policy.name in SERVER_MODES or not policy.rounds or policy.max_lead else 0
+    if not isinstance(servers, int) or servers < 0:
+        raise ValueError(f"sync={policy.name}: servers={servers!r} must be a whole number >= 0")
+    if backend not in ("mpi", "horovod"):
+        raise ValueError(f"sync={policy.name}: backend={backend!r} must be 'mpi' or 'horovod'")
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"sync={policy.name}: depth={depth!r} must be a whole number >= 1")
+    penalty_node = None
+    if penalty is not None:
+        if penalty not in PENALTIES:
+            raise ValueError(f"penalty={penalty!r} is not one of {', '.join(PENALTIES)}")
+        given = sorted(penalty_options)
+        penalty_node = {"name": penalty, "given": given, **_node("penalty", penalty, dict(penalty_options))}
+    elif penalty_options:
+        raise ValueError("penalty_options are for a penalty given by name (penalty='gap_aware', ...)")
+    rule_node = None
+    if rule is not None:
+        if not isinstance(rule, str):
+            raise TypeError(f"rule must be a name from conf/optimizer/ (e.g. 'dana'), got {type(rule).__name__}")
+        rule_node = _node("optimizer", rule, dict(rule_options))
+    elif rule_options:
+        raise ValueError("rule_options are for a rule given by name (rule='dana', ...)")
+    return SyncConfig(policy, penalty_node, servers, backend, depth, rule_node)
+
+
+def from_config(cfg: Any) -> SyncConfig:
+    """The sync mode of a composed collsync config (groups `sync`, `penalty`, `optimizer`, `runtime`).
+
+    The server rule is the config's `optimizer` (and `penalty`), as in `collsync-train`; `runtime.servers` gives the
+    server ranks of a server mode (`runtime=allreduce` and `runtime=partial` run bsp / backup without servers).
+    """
+    from omegaconf import OmegaConf
+
+    def node(group: str) -> dict[str, Any]:
+        return OmegaConf.to_container(cfg[group], resolve=True)  # type: ignore[return-value]
+
+    policy = build(node("sync"))
+    runtime = build(node("runtime"))
+    serverless = runtime.kind in ("allreduce", "partial", "sim") and policy.name in ("bsp", "backup")
+    servers = 0 if serverless else runtime.servers
+    penalty = node("penalty")
+    penalty = None if penalty.get("_target_") == "collsync.rules.identity" else penalty
+    return SyncConfig(policy, penalty, servers, "mpi", runtime.depth, node("optimizer"))
+
+
+def _group_value(optimizer: torch.optim.Optimizer, key: str) -> Any:
+    values = {repr(g.get(key)) for g in optimizer.param_groups}
+    if len(values) > 1:
+        raise ValueError(
+            f"{type(optimizer).__name__}: {key} differs between parameter groups ({', '.join(sorted(values))}); "
+            "the parameter server applies one rule to every parameter"
+        )
+    return optimizer.param_groups[0].get(key)
+
+
+def server_rule(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """collsync's rule for the server (as a config node), from a torch optimizer's class and hyperparameters.
+
+    SGD(lr, momentum, nesterov, weight_decay) -> sgd / momentum / nesterov; Adam(lr, betas, eps, weight_decay) ->
+    adam. Refused, with the reason: other classes, dampening, maximize, AMSGrad, decoupled weight decay (AdamW),
+    hyperparameters that differ between parameter groups.
+    """
+    name = type(optimizer).__name__
+    get = lambda key: _group_value(optimizer, key)  # noqa: E731 - a one-line accessor
+
+    def refuse(key: str, value: Any) -> None:
+        raise ValueError(f"DistributedOptimizer: the parameter server cannot apply {name} with {key}={value!r}")
+
+    if get("maximize"):
+        refuse("maximize", True)
+    if type(optimizer) is torch.optim.SGD:
+        if get("dampening"):
+            refuse("dampening", get("dampening"))
+        lr, mom, wd = float(get("lr")), float(get("momentum") or 0.0), float(get("weight_decay") or 0.0)
+        if not mom:
+            return {"_target_": "collsync.rules.sgd", "lr": lr, "weight_decay": wd}
+        target = "collsync.rules.nesterov" if get("nesterov") else "collsync.rules.momentum"
+        return {"_target_": target, "lr": lr, "momentum": mom, "weight_decay": wd}
+    if type(optimizer) is torch.optim.Adam:
+        if get("amsgrad"):
+            refuse("amsgrad", True)
+        if get("decoupled_weight_decay"):
+            refuse("decoupled_weight_decay", True)
+        beta1, beta2 = get("betas")
+        return {
+            "_target_": "collsync.rules.adam",
+            "lr": float(get("lr")),
+            "beta1": float(beta1),
+            "beta2": float(beta2),
+            "eps": float(get("eps")),
+            "weight_decay": float(get("weight_decay") or 0.0),
+        }
+    raise ValueError(
+        f"DistributedOptimizer: the parameter server has no rule for torch.optim.{name}; it maps SGD (momentum, "
+        "nesterov, weight_decay) and Adam, or takes a collsync rule by name: DistributedOptimizer(..., rule='dana')"
+    )
+
+
+def server_penalty(penalty: dict[str, Any] | None, rule: dict[str, Any]) -> dict[str, Any] | None:
+    """The penalty node with Gap-Aware's eta_max and momentum taken from the server's rule, as
+    conf/penalty/gap_aware.yaml takes them from `optimizer.lr` / `optimizer.momentum`, unless set explicitly."""
+    if penalty is None:
+        return None
+    node = {k: v for k, v in penalty.items() if k != "name"}
+    if penalty.get("name") == "gap_aware":
+        given = penalty.get("given", ())
+        if "eta_max" not in given and "lr" in rule:
+            node["eta_max"] = rule["lr"]
+        if "momentum" not in given:
+            node["momentum"] = rule.get("momentum", rule.get("beta1", 0.0))
+    node.pop("given", None)
+    return node

@@ -1,0 +1,450 @@
+"""`DistributedOptimizer`: Horovod's wrapper of a torch optimizer, with collsync's sync modes behind `sync=`.
+
+The optimizer you pass is wrapped in place (its class becomes a subclass that adds `synchronize`,
+`skip_synchronize` and `join`; `isinstance`, `state_dict` and learning-rate schedulers keep working) and returned.
+What `step()` does depends on the mode:
+
+* `bsp` (no servers): Horovod's semantics. `synchronize()` averages (or sums) every gradient over the workers in
+  one fused reduction (mpi4py `Iallreduce`, or Horovod's own allreduce with `backend="horovod"`), honouring
+  `compression`, `op`, `gradient_predivide_factor` and `backward_passes_per_step` as Horovod does; then your
+  optimizer steps on every replica.
+* `backup` (no servers): each step t is a k-of-n partial allreduce (`collsync.runtime.mpi_partial`): the first
+  n - b gradients of round t to arrive are averaged (000_..., Chen et al., Alg. 3-4), every replica applies that
+  same mean with your optimizer, and a gradient that came late is dropped and counted (`dropped`). A worker whose
+  round is already complete reads the mean without contributing.
+* `async`, `ssp`, `psp`, `bfasgd` (and any mode once `init` reserved servers): the parameter server on MPI windows.
+  `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
+  applied on the servers by collsync's rule made from your optimizer's class and hyperparameters
+  (`config.server_rule`) plus the penalty; your optimizer's own state is not used (it stays empty) and a change of
+  its learning rate after construction does not reach the servers (warned once). Training ends for everyone when
+  the workers leave (`shutdown()`, at exit, or `join()`): under a round policy (BSP, backup, SSP, PSP) as soon as
+  one worker leaves, since its rounds can no longer complete; the other workers' `step()` then returns without
+  changing the model (`finished` is True).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from collsync.torch import ops
+from collsync.torch._world import World, state
+from collsync.torch.config import SyncConfig, server_rule, sync_config
+
+_PASSES_MESSAGE = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). Increase "
+    "backward_passes_per_step to accumulate gradients locally."
+)
+
+
+def _params(optimizer: torch.optim.Optimizer, named_parameters: Any) -> tuple[list[torch.Tensor], list[str]]:
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if named_parameters is None:
+        return params, [f"param.{i}" for i in range(len(params))]
+    named = list(named_parameters)
+    if any(not isinstance(n, tuple) for n in named):
+        raise ValueError("DistributedOptimizer: named_parameters should be a sequence of (name, parameter) tuples")
+    names = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    if missing:
+        raise ValueError(
+            f"DistributedOptimizer: named_parameters was given but misses {len(missing)} of the optimizer's "
+            "parameters; pass model.named_parameters() of the model the optimizer was built on"
+        )
+    return params, [names[id(p)] for p in params]
+
+
+class _Flat:
+    """Parameters (and their gradients) of one dtype copied to and from one contiguous buffer."""
+
+    def __init__(self, params: list[torch.Tensor], flag: bool = False) -> None:
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        dtype = params[0].dtype
+        # `flag`: one more element after the gradients, 1 from a worker that steps and 0 from one that joined, so
+        # the reduction itself says whether anyone still steps (join without a reduction of its own).
+        self.flag = flag
+        self.buf = torch.zeros(sum(self.sizes) + int(flag), dtype=dtype)
+
+    def grads(self, active: bool = True) -> torch.Tensor:
+        """The gradients into the buffer (a missing gradient counts as zero; all zero once this worker joined)."""
+        if self.flag:
+            self.buf[-1] = float(active)
+        if not active:
+            self.buf.zero_()
+            return self.buf
+        offset = 0
+        for p, n in zip(self.params, self.sizes, strict=True):
+            view = self.buf[offset : offset + n]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.detach().reshape(-1))
+            offset += n
+        return self.buf
+
+    def set_grads(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p, n in zip(self.params, self.sizes, strict=True):
+            src = flat[offset : offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = src.clone()
+            else:
+                p.grad.detach().copy_(src)
+            offset += n
+
+    def set_params(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p, n in zip(self.params, self.sizes, strict=True):
+                p.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+
+    def read_params(self) -> torch.Tensor:
+        offset = 0
+        for p, n in zip(self.params, self.sizes, strict=True):
+            self.buf[offset : offset + n].copy_(p.detach().reshape(-1))
+            offset += n
+        return self.buf
+
+
+def _one_dtype(params: list[torch.Tensor], mode: str) -> _Flat:
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point or torch.float16 in dtypes:
+        raise ValueError(
+            f"DistributedOptimizer(sync={mode!r}): parameters must all be float32 or all float64, got "
+            f"{sorted(map(str, dtypes))}"
+        )
+    return _Flat(params)
+
+
+class AllreduceMode:
+    """Full sync (`bsp` without servers), Horovod's numbers: see the module docstring."""
+
+    name = "bsp"
+
+    def __init__(
+        self, st: World, params: list[torch.Tensor], compression: Any, passes: int, op: int, predivide: float
+    ) -> None:
+        self.st, self.compression, self.passes, self.op = st, compression, passes, op
+        # Horovod's split of the average: 1/f before the sum, f/size after it (the 1/size applied by the reduction).
+        self.pre, self.post = (1.0 / predivide, predivide) if op == ops.Average else (1.0, 1.0)
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault(p.dtype, []).append(p)
+        self.flats = [_Flat(ps, flag=i == 0) for i, ps in enumerate(groups.values())]
+        self.counts = {id(p): 0 for p in params}
+        self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
+        self.synchronized = False
+
+    def _count(self, p: torch.Tensor) -> None:
+        self.counts[id(p)] += 1
+        if self.counts[id(p)] > self.passes:
+            raise AssertionError(_PASSES_MESSAGE)
+
+    def reduce(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Average (or sum) each flat buffer over the workers, through compression, on the chosen backend."""
+        out = []
+        for flat in flats:
+            wire, ctx = self.compression.compress(flat)
+            if self.st.backend == "horovod":
+                from collsync.runtime.horovod import allreduce_
+
+                allreduce_(wire, self.op, self.pre, self.post)
+            else:
+                ops.allreduce_(wire, op=self.op, prescale_factor=self.pre, postscale_factor=self.post)
+            out.append(self.compression.decompress(wire, ctx))
+        return out
+
+    def synchronize(self) -> None:
+        means = self.reduce([f.grads() for f in self.flats])
+        for flat, mean in zip(self.flats, means, strict=True):
+            flat.set_grads(mean)
+        for key in self.counts:
+            self.counts[key] = 0
+        self.synchronized = True
+
+    def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
+        if sync:
+            if self.synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown.",
+                    stacklevel=3,
+                )
+            self.synchronize()
+        self.synchronized = False
+        return base(closure)
+
+    def join(self) -> int:
+        """Contribute zeros to the gradient reductions of the workers still stepping, until every worker joined
+        (Horovod's join, for the optimizer's reductions; other collectives are not matched). Returns the rank
+        that joined last."""
+        rounds = 0
+        while True:
+            sums = self.reduce([f.grads(active=False) for f in self.flats])
+            if sums[0][-1].item() == 0:  # nobody stepped in this reduction: everyone has joined
+                break
+            rounds += 1
+        joined = ops.allgather_object(rounds)
+        return max(r for r, k in enumerate(joined) if k == min(joined))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class PartialMode:
+    """Backup workers without servers: see the module docstring."""
+
+    name = "backup"
+
+    def __init__(self, st: World, params: list[torch.Tensor], config: SyncConfig, passes: int) -> None:
+        from collsync.loops_partial import check_policy
+        from collsync.runtime.mpi_partial import PartialAllreduce
+
+        self.st, self.passes = st, passes
+        policy = config.policy
+        check_policy(policy)
+        workers = st.comm.Get_size()
+        policy.check(workers)
+        self.quorum = policy.quorum_for(workers)
+        self.flat = _one_dtype(params, policy.name)
+        self.pa = PartialAllreduce(
+            st.comm, self.flat.buf.numel(), dtype=self.flat.buf.dtype, depth=config.depth, timeout=policy.deadline
+        )
+        self.round = 0
+        self.contributed = 0
+        self.dropped = 0
+        self.synchronized = False
+
+    def synchronize(self) -> None:
+        result = self.pa.try_read(self.quorum, self.round)
+        if result is None:
+            result = self.pa(self.flat.grads(), self.quorum, self.round)
+        rank = self.st.comm.Get_rank()
+        self.contributed += rank in result.contributors
+        self.dropped += rank not in result.contributors
+        self.round += 1
+        self.flat.set_grads(result.mean)
+        self.synchronized = True
+
+    def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
+        if sync:
+            self.synchronize()
+        self.synchronized = False
+        return base(closure)
+
+    def join(self) -> int:
+        raise NotImplementedError(
+            "join() under sync='backup': every worker must take part in every round of the partial allreduce; "
+            "give every worker the same number of steps (e.g. drop_last=True)"
+        )
+
+    def close(self) -> None:
+        from collsync.runtime.mpi_coll import shutdown
+
+        shutdown(self.st.comm)
+        self.pa.free()
+
+
+class ServerMode:
+    """A worker of the parameter-server shards: see the module docstring."""
+
+    def __init__(
+        self, st: World, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], config: SyncConfig
+    ) -> None:
+        from collsync.loops import Worker
+        from collsync.runtime.mpi_shards import ShardedMailbox, open_shards, shard_bounds
+        from collsync.torch._serve import Job, send_job
+
+        policy = config.policy
+        self.name = policy.name
+        self.st = st
+        workers = st.comm.Get_size()
+        policy.check(workers)
+        rule = config.rule if config.rule is not None else server_rule(optimizer)
+        self.flat = _one_dtype(params, policy.name)
+        numel = self.flat.buf.numel()
+        if numel < st.servers:
+            raise ValueError(f"DistributedOptimizer: {numel} parameters cannot be split over {st.servers} servers")
+        if st.comm.Get_rank() == 0:
+            send_job(st.world, st.servers, Job(self.flat.read_params().clone(), policy, rule, config.penalty, workers))
+        shards = open_shards(st.world, numel, st.servers, self.flat.buf.dtype)
+        self.shards = shards
+        self.mailbox = ShardedMailbox(shards, shard_bounds(numel, st.servers), policy.pull_fraction, policy.pull_timeout)
+        self.worker = Worker(self.mailbox.worker, policy)
+        self.lrs = [g.get("lr") for g in optimizer.param_groups]
+        self.optimizer = optimizer
+        self.finished = False
+        self.left = False
+        self.synchronized = False
+        self._pull()
+
+    def _pull(self) -> None:
+        fetch = self.worker.will_fetch()
+        stamp = self.mailbox.read(self.flat.buf, self.worker.ready, fetch=fetch)
+        if stamp.done:
+            self.finished = True
+            return
+        self.worker.begin(stamp, fetched=fetch)
+        if fetch:
+            self.flat.set_params(self.flat.buf)
+
+    def synchronize(self) -> None:
+        """Nothing to average locally: the gradient goes to the servers at `step()` (clip it in between)."""
+        self.synchronized = True
+
+    def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronized = False
+        if self.finished:
+            return loss
+        if [g.get("lr") for g in self.optimizer.param_groups] != self.lrs:
+            self.lrs = [g.get("lr") for g in self.optimizer.param_groups]
+            warnings.warn(
+                f"DistributedOptimizer(sync={self.name!r}): the learning rate changed to {self.lrs}, but the "
+                "parameter server applies the rule it was given at construction",
+                stacklevel=3,
+            )
+        grad = self.flat.grads().clone()
+        self.mailbox.send(self.worker.arrival(grad))
+        self._pull()
+        return loss
+
+    def join(self) -> int:
+        self.leave()
+        return ops.state("join").comm.Get_rank()
+
+    def leave(self) -> None:
+        if not self.left:
+            self.mailbox.leave()
+            self.left = True
+            self.finished = True
+
+    def close(self) -> None:
+        from collsync.runtime.mpi_coll import shutdown
+
+        self.leave()
+        shutdown(self.st.world)
+        for shard in self.shards:
+            shard.free()
+
+
+class _Distributed:
+    """Mixed in front of the user's optimizer class (its name kept): Horovod's extra methods."""
+
+    _collsync: Any
+    _should_synchronize: bool
+
+    def step(self, closure: Any = None) -> Any:
+        return self._collsync.step(super().step, closure, self._should_synchronize)  # type: ignore[misc]
+
+    def synchronize(self) -> None:
+        self._collsync.synchronize()
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def join(self) -> int:
+        return self._collsync.join()
+
+    @property
+    def sync_mode(self) -> str:
+        """The mode this optimizer runs: bsp, backup, async, ssp, psp or bfasgd."""
+        return self._collsync.name
+
+    @property
+    def dropped(self) -> int:
+        """Backup workers: this worker's gradients that came too late for their round (0 in other modes)."""
+        return getattr(self._collsync, "dropped", 0)
+
+    @property
+    def finished(self) -> bool:
+        """Server modes: training ended (a worker left a round policy); `step()` no longer changes the model."""
+        return getattr(self._collsync, "finished", False)
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Any = None,
+    compression: Any = ops.Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = ops.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = ops.global_process_set,
+    *,
+    sync: Any = None,
+    **sync_options: Any,
+) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that `step()` synchronises the workers as `sync` says (default: what `init(sync=...)`
+    set, else "bsp"); returns the same object, its class extended. Horovod's arguments keep Horovod's meaning under
+    `bsp`; `sync_options` are the mode's own (`backups=1`, `max_lead=3`, `penalty="gap_aware"`, ... see
+    `collsync.torch.sync_config`). `num_groups` / `groups` only group Horovod's reductions: collsync fuses every
+    gradient into one reduction, so they change nothing.
+
+    Raises:
+        ValueError: a bad option, a mode the world cannot run, an optimizer the parameter server cannot apply.
+        NotImplementedError: Adasum, process sets, sparse gradients without `sparse_as_dense`.
+    """
+    st = state("DistributedOptimizer")
+    ops._process_set(process_set, "DistributedOptimizer")
+    if op == ops.Adasum:
+        raise NotImplementedError("DistributedOptimizer: op=Adasum is not supported by collsync")
+    op = ops._op(op, None, "DistributedOptimizer")
+    if gradient_predivide_factor != 1.0 and op != ops.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if isinstance(optimizer, _Distributed):
+        raise ValueError("DistributedOptimizer: this optimizer is wrapped already")
+    if sync is None:
+        sync = st.sync if st.sync is not None else "bsp"
+    config = sync_config(sync, **sync_options)
+    params, _ = _params(optimizer, named_parameters)
+    if not params:
+        raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires a gradient")
+    mode: Any
+    name = config.policy.name
+    if st.servers:
+        mode = ServerMode(st, optimizer, params, config)
+    elif config.servers:
+        raise ValueError(
+            f"DistributedOptimizer(sync={name!r}) runs on parameter-server ranks, which are reserved when the "
+            f"world starts: call collsync.torch.init(sync={name!r}) (or init(servers=M), or set COLLSYNC_SERVERS)"
+        )
+    elif name == "bsp":
+        if sparse_as_dense is False and any(getattr(p, "_sparse_grad", False) for p in params):
+            raise NotImplementedError("DistributedOptimizer: sparse gradients need sparse_as_dense=True")
+        mode = AllreduceMode(st, params, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    elif name == "backup":
+        if compression is not ops.Compression.none or op != ops.Average or gradient_predivide_factor != 1.0:
+            raise ValueError(
+                "DistributedOptimizer(sync='backup'): the partial allreduce averages plain gradients; "
+                "compression, op and gradient_predivide_factor are for sync='bsp'"
+            )
+        mode = PartialMode(st, params, config, backward_passes_per_step)
+    else:
+        raise ValueError(f"DistributedOptimizer: sync={name!r} has no serverless form; reserve servers at init()")
+    cls = type(optimizer)
+    optimizer.__class__ = type(cls.__name__, (_Distributed, cls), {"__module__": cls.__module__})
+    optimizer._collsync = mode  # type: ignore[attr-defined]
+    optimizer._should_synchronize = True  # type: ignore[attr-defined]
+    st.cleanups.append(mode.close)
+    st.joiners[:] = [mode.join]
+    return optimizer

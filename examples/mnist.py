@@ -1,0 +1,93 @@
+"""Train a small network on handwritten digits, Horovod style, with any collsync sync mode.
+
+    mpiexec -n 5 python examples/mnist.py --sync backup       # 5 workers, the first 4 gradients of each round
+    mpiexec -n 5 python examples/mnist.py --sync async        # rank 0 serves, 4 asynchronous workers
+    mpiexec -n 4 python examples/mnist.py --mnist ~/data/mnist  # MNIST IDX files instead of the bundled digits
+
+Switch to Horovod by changing the import line below to `import horovod.torch as hvd` (then only `--sync bsp`
+applies). Data: scikit-learn's bundled 8x8 digits by default, or MNIST IDX files from a folder you already have.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import collsync.torch as hvd  # was: import horovod.torch as hvd
+
+COLLSYNC = hvd.__name__.startswith("collsync")
+
+
+def load(mnist: str | None, seed: int) -> tuple[TensorDataset, TensorDataset, int]:
+    if mnist:
+        from collsync.data import mnist as read_mnist
+
+        data = read_mnist(mnist)
+        x, y, xt, yt = data.x_train, data.y_train, data.x_test, data.y_test
+    else:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+        y = torch.tensor(digits.target, dtype=torch.long)
+        order = torch.from_numpy(np.random.default_rng(seed).permutation(len(y)))
+        cut = int(0.75 * len(y))
+        x, y, xt, yt = x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
+    return TensorDataset(x.reshape(len(x), -1), y), TensorDataset(xt.reshape(len(xt), -1), yt), x[0].numel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sync", default="bsp", help="bsp | backup | async | ssp | psp (collsync only)")
+    parser.add_argument("--backups", type=int, default=1, help="backup workers dropped per round (--sync backup)")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() where gradients are averaged")
+    parser.add_argument("--mnist", default=None, help="a folder with MNIST IDX files (default: bundled digits)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    options = {}
+    if COLLSYNC:
+        options = {"sync": args.sync, **({"backups": args.backups} if args.sync == "backup" else {})}
+        hvd.init(sync=args.sync)  # a parameter-server mode reserves rank 0 as the server here
+    else:
+        hvd.init()
+    torch.manual_seed(args.seed)
+    train, test, features = load(args.mnist, args.seed)
+    sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed, drop_last=True)
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    model = nn.Sequential(nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, 10))
+    averaged = args.sync not in ("async", "bfasgd")  # these apply every gradient on its own
+    lr = args.lr * (hvd.size() if averaged else 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **options)
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+        if hvd.rank() == 0:
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}", flush=True)
+
+    x, y = test.tensors
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean()
+    accuracy = hvd.allreduce(accuracy, op=hvd.Average)  # the workers' models differ under async modes
+    if hvd.rank() == 0:
+        print(f"test accuracy: {accuracy.item():.4f} ({hvd.size()} workers, sync={args.sync})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
