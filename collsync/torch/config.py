@@ -52,7 +52,9 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
 
     path = files("collsync.conf").joinpath(group, f"{name}.yaml")
     if not path.is_file():
-        known = sorted(p.name[:-5] for p in files("collsync.conf").joinpath(group).iterdir() if p.name.endswith(".yaml"))
+        known = sorted(
+            p.name[:-5] for p in files("collsync.conf").joinpath(group).iterdir() if p.name.endswith(".yaml")
+        )
         raise ValueError(f"{group}={name!r} is not one of {', '.join(known)}")
     node = OmegaConf.load(str(path))
     for key, value in options.items():

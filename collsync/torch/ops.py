@@ -415,7 +415,9 @@ def broadcast(
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
+) -> Any:
     """Any picklable object of worker `root_rank`, on every worker."""
     _process_set(process_set, "broadcast_object")
     return state("broadcast_object").comm.bcast(obj, root=root_rank)

@@ -276,7 +276,9 @@ class ServerMode:
             send_job(st.world, st.servers, Job(self.flat.read_params().clone(), policy, rule, config.penalty, workers))
         shards = open_shards(st.world, numel, st.servers, self.flat.buf.dtype)
         self.shards = shards
-        self.mailbox = ShardedMailbox(shards, shard_bounds(numel, st.servers), policy.pull_fraction, policy.pull_timeout)
+        self.mailbox = ShardedMailbox(
+            shards, shard_bounds(numel, st.servers), policy.pull_fraction, policy.pull_timeout
+        )
         self.worker = Worker(self.mailbox.worker, policy)
         self.lrs = [g.get("lr") for g in optimizer.param_groups]
         self.optimizer = optimizer

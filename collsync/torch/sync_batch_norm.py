@@ -39,8 +39,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         xhat = (x - mean.view(shape)) * invstd.view(shape)
         out = xhat if weight is None else xhat * weight.view(shape) + bias.view(shape)  # type: ignore[union-attr]
         ctx.save_for_backward(xhat, invstd, weight)
-        ctx.count = count.item()
-        return out, mean, var, count
+        ctx.count = float(count[0])
+        return out, mean, var, count[0]
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, *_: Any) -> tuple[Any, ...]:
