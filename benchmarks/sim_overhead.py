@@ -23,8 +23,8 @@ from collsync.loops import Gradients
 from collsync.models import mlp
 from collsync.policy import backup
 from collsync.rules import momentum
-from collsync.runtime.sim import Simulator
 from collsync.server import Server
+from collsync.sim import Simulator
 from collsync.stragglers import gamma_heterogeneous
 from collsync.types import Context
 

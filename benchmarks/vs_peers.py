@@ -31,7 +31,7 @@ from torch import nn
 
 import collsync.torch as cst
 
-SIZES = {"100k": [120], "5M": [2200, 2200]}  # hidden widths of an MLP on 8x8 digits-sized inputs (64 -> ... -> 10)
+SIZES = {"100k": [1400], "5M": [2200, 2200]}  # hidden widths of an MLP on 8x8 digits-sized inputs (64 -> ... -> 10)
 
 
 def mlp(hidden: list[int]) -> nn.Module:

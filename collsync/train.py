@@ -131,7 +131,7 @@ def _check_fit(parts: Parts, workers: int | None) -> None:
             f"stragglers: slow_shard={parts.stragglers.slow_shard} must be < runtime.servers={parts.runtime.servers}"
         )
     if parts.runtime.kind == "partial":
-        from collsync.loops_partial import check_policy
+        from collsync.loops import check_policy
 
         check_policy(parts.policy)
 
@@ -154,7 +154,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
     spec = parts.runtime
     _check_fit(parts, None)
     if spec.kind == "sim":
-        from collsync.runtime.sim import Simulator
+        from collsync.sim import Simulator
 
         _check_fit(parts, spec.workers)
         sim = Simulator(spec.workers, parts.stragglers, int(cfg.seed))
@@ -261,7 +261,7 @@ def _run_allreduce(run: _Launch) -> dict[str, Any] | None:
 
 def _run_partial(run: _Launch) -> dict[str, Any] | None:
     """Serverless backup workers: every rank a worker with a server replica, rounds through a partial allreduce."""
-    from collsync.loops_partial import run_partial
+    from collsync.loops import run_partial
     from collsync.runtime.mpi_coll import shutdown
     from collsync.runtime.mpi_partial import PartialAllreduce
 

@@ -1,14 +1,15 @@
 """Transports. The interfaces here import no MPI; each runtime module imports its transport lazily.
 
-A `Mailbox` connects workers to a parameter server (simulator, MPI one-sided windows); a `Collective` averages
-across all ranks (MPI collectives, Horovod). Runtimes move tensors and nothing else: what a tensor means is decided
-by `collsync.loops`, `collsync.server` and `collsync.rules`.
+A `Mailbox` connects workers to a parameter server (MPI one-sided windows); a `Collective` averages across all
+ranks (MPI collectives, Horovod); a `Partial` averages the first k of n (the partial allreduce on windows).
+Runtimes move tensors and nothing else: what a tensor means is decided by `collsync.loops`, `collsync.server` and
+`collsync.rules`. (The simulator, `collsync.sim`, is no transport: it drives `Worker` and `Server` itself.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from collsync.types import Arrival, Flat, Stamp
 
@@ -49,3 +50,24 @@ class Collective(Protocol):
     def allreduce_mean(self, flat: Flat) -> Flat: ...
 
     def broadcast(self, flat: Flat, root: int = 0) -> Flat: ...
+
+
+class PartialResult(NamedTuple):
+    """The outcome of round `round` of a k-of-n partial allreduce, identical (bit for bit) on every rank."""
+
+    mean: Flat
+    round: int
+    quorum: int
+    contributors: list[int]
+    dropped: list[int]
+
+
+class Partial(Protocol):
+    """A k-of-n partial allreduce (`collsync.runtime.mpi_partial.PartialAllreduce`), as `loops.run_partial` uses it."""
+
+    rank: int
+    size: int
+
+    def __call__(self, tensor: Flat, quorum: int, round: int) -> PartialResult: ...
+
+    def try_read(self, quorum: int, round: int) -> PartialResult | None: ...

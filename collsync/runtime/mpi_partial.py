@@ -57,11 +57,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from collsync.runtime import PartialResult
 from collsync.runtime.mpi_rma import Backoff, Windows
 from collsync.types import Flat
 
@@ -71,16 +72,6 @@ _EMPTY = -1  # the tag of a ring entry no round has used yet
 _ENTRY_HEAD = 4  # tickets, tag, quorum, count (then ranks[n])
 
 PENDING, READY, OVERWRITTEN = "pending", "ready", "overwritten"
-
-
-class PartialResult(NamedTuple):
-    """The outcome of round `round`, identical (bit for bit) on every rank."""
-
-    mean: Flat
-    round: int
-    quorum: int
-    contributors: list[int]
-    dropped: list[int]
 
 
 # -- pure helpers (no MPI): the encodings the protocol relies on ----------------------------------------------------

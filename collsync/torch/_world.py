@@ -33,6 +33,9 @@ class World:
     backend: str
     cleanups: list[Any] = field(default_factory=list)
     joiners: list[Any] = field(default_factory=list)  # the live optimizer's join, if it has one
+    # More ranks on this node than cores: a rank waiting in a blocking collective would spin on a core another rank
+    # needs to compute, so waits poll a nonblocking operation with pauses instead.
+    oversubscribed: bool = False
 
     @property
     def server_ranks(self) -> list[int]:
@@ -111,17 +114,20 @@ def init(
     from collsync.runtime.mpi_world import set_threads
 
     set_threads(world)  # collective over the whole world: servers included
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    oversubscribed = node.Get_size() > (os.cpu_count() or 1)
+    node.Free()
     rank = world.Get_rank()
     is_server = rank < servers
     comm_w = world.Split(0 if not is_server else 1, rank)
     if is_server:
         from collsync.torch._serve import serve_forever
 
-        _STATE = World(world, comm_w, servers, None, None, config, backend)
+        _STATE = World(world, comm_w, servers, None, None, config, backend, oversubscribed=oversubscribed)
         serve_forever(_STATE)  # never returns: the process exits once the workers left
     local = comm_w.Split_type(MPI.COMM_TYPE_SHARED, key=comm_w.Get_rank())
     cross = comm_w.Split(local.Get_rank(), comm_w.Get_rank())
-    _STATE = World(world, comm_w, servers, local, cross, config, backend)
+    _STATE = World(world, comm_w, servers, local, cross, config, backend, oversubscribed=oversubscribed)
     if backend == "horovod":
         from collsync.runtime.horovod import init as horovod_init
 

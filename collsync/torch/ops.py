@@ -11,6 +11,7 @@ numbers. What Horovod has and collsync does not (Adasum, Min/Max/Product, proces
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,12 +154,11 @@ class _Handle:
     def wait(self) -> Any:
         if not self.done:
             if self.request is not None:
-                from collsync.runtime.mpi_rma import Backoff
-
-                backoff = Backoff()
-                # Test with pauses, rather than a blocking Wait, so ranks that share cores do not spin.
+                # Test and yield the core, rather than a blocking Wait: a rank that shares its core with another
+                # rank hands it over while it waits, yet reacts within one scheduling slice (sleeping pauses cost
+                # milliseconds per reduction here).
                 while not self.request.Test():
-                    backoff.wait()
+                    os.sched_yield()
             self.result, self.done = self.finish(), True
         return self.result
 
@@ -191,11 +191,21 @@ def poll(handle: int) -> bool:
 
 
 def _allreduce_start(
-    tensor: torch.Tensor, output: torch.Tensor, op: int, prescale: float, postscale: float, what: str
+    tensor: torch.Tensor,
+    output: torch.Tensor,
+    op: int,
+    prescale: float,
+    postscale: float,
+    what: str,
+    blocking: bool = False,
 ) -> _Handle:
+    """Start (or with `blocking`, run: one MPI_Allreduce, the fastest where the caller waits anyway) the reduction
+    of `tensor` into `output`; the handle's `wait()` applies the post-scaling and returns `output`."""
     from mpi4py import MPI
 
-    comm = state(what).comm
+    st = state(what)
+    comm = st.comm
+    blocking = blocking and not st.oversubscribed
     _check(tensor, what)
     if output is not tensor:
         output.copy_(tensor)
@@ -203,7 +213,12 @@ def _allreduce_start(
     scale_(buf, prescale)
     post = postscale / comm.Get_size() if op == Average else postscale
     array = buf.detach().view(torch.int16).numpy() if buf.dtype == torch.float16 else buf.detach().numpy()
-    request = comm.Iallreduce(MPI.IN_PLACE, [array, _mpi_type(buf.dtype, what)], op=_sum_op(buf.dtype))
+    message = [array, _mpi_type(buf.dtype, what)]
+    if blocking:
+        comm.Allreduce(MPI.IN_PLACE, message, op=_sum_op(buf.dtype))
+        request = None
+    else:
+        request = comm.Iallreduce(MPI.IN_PLACE, message, op=_sum_op(buf.dtype))
 
     def finish() -> torch.Tensor:
         scale_(buf, post)
@@ -255,7 +270,9 @@ def allreduce_(
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
     """In-place allreduce: `tensor` becomes the Average (default) or Sum over the workers."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    _process_set(process_set, "allreduce_")
+    op = _op(op, average, "allreduce_")
+    return _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_", True).wait()
 
 
 def allreduce(
@@ -281,7 +298,7 @@ class _AllreduceFn(torch.autograd.Function):
         ctx.op, ctx.pre, ctx.post, ctx.compression = op, pre, post, compression
         compressed, cctx = compression.compress(tensor.detach())
         out = torch.empty_like(compressed, memory_format=torch.contiguous_format)
-        result = _allreduce_start(compressed, out, op, pre, post, "allreduce").wait()
+        result = _allreduce_start(compressed, out, op, pre, post, "allreduce", True).wait()
         return compression.decompress(result, cctx)
 
     @staticmethod

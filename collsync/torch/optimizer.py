@@ -204,7 +204,7 @@ class PartialMode:
     name = "backup"
 
     def __init__(self, st: World, params: list[torch.Tensor], config: SyncConfig, passes: int) -> None:
-        from collsync.loops_partial import check_policy
+        from collsync.loops import check_policy
         from collsync.runtime.mpi_partial import PartialAllreduce
 
         self.st, self.passes = st, passes
@@ -362,6 +362,18 @@ class _Distributed:
 
     def join(self) -> int:
         return self._collsync.join()
+
+    def close(self) -> None:
+        """Release what this optimizer holds (windows, hooks; collective over the workers, and with the servers in
+        server modes, whose shards end here). `shutdown()` does it for optimizers still open. The model keeps its
+        parameters; `step()` must not be called afterwards."""
+        st = state("close")
+        mode = self._collsync
+        if mode.close in st.cleanups:
+            st.cleanups.remove(mode.close)
+            mode.close()
+        if st.joiners and st.joiners[0] == mode.join:
+            st.joiners.clear()
 
     @property
     def sync_mode(self) -> str:

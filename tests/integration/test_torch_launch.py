@@ -35,20 +35,23 @@ def have_horovod() -> bool:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("case", ["plain", "passes", "predivide", "fp16", "sum"])
-def test_same_script_on_horovod_and_collsync_ends_equal(tmp_path, ranks, case):
+def test_same_script_on_horovod_and_collsync_ends_equal(tmp_path, ranks):
+    """Plain, backward_passes_per_step=2, gradient_predivide_factor=2, fp16 compression and op=Sum: float64
+    parameters after 20 steps equal within 1e-10 (in practice bit for bit)."""
     have_horovod()
     out = {}
     for impl in ("horovod", "collsync"):
         out[impl] = tmp_path / f"{impl}.pt"
-        proc = mpirun(ranks, str(SCRIPTS / "hvd_diff.py"), "--impl", impl, "--case", case, "--out", str(out[impl]))
+        proc = mpirun(ranks, str(SCRIPTS / "hvd_diff.py"), "--impl", impl, "--case", "all", "--out", str(out[impl]))
         assert proc.returncode == 0, proc.stderr[-3000:]
     theirs, ours = torch.load(out["horovod"]), torch.load(out["collsync"])
-    assert all(p.dtype == torch.float64 for p in ours)
-    worst = max((a - b).abs().max().item() for a, b in zip(theirs, ours, strict=True))
-    assert worst <= 1e-10, f"{case} at -n {ranks}: parameters differ by {worst}"
-    moved = torch.load(out["collsync"])
-    assert any(p.abs().sum() > 0 for p in moved)
+    assert sorted(ours) == sorted(theirs) == sorted(["plain", "passes", "predivide", "fp16", "sum"])
+    for case in ours:
+        assert all(p.dtype == torch.float64 for p in ours[case])
+        worst = max((a - b).abs().max().item() for a, b in zip(theirs[case], ours[case], strict=True))
+        assert worst <= 1e-10, f"{case} at -n {ranks}: parameters differ by {worst}"
+    # The cases differ from each other, so each one really changed what was computed.
+    assert not torch.equal(ours["plain"][0], ours["fp16"][0]) and not torch.equal(ours["plain"][0], ours["sum"][0])
 
 
 def test_horovod_backend_reduces_like_horovod(tmp_path):
@@ -58,7 +61,7 @@ def test_horovod_backend_reduces_like_horovod(tmp_path):
     for path, impl in zip(paths, runs, strict=True):
         proc = mpirun(4, str(SCRIPTS / "hvd_diff.py"), *impl, "--case", "fp16", "--out", str(path))
         assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = (torch.load(p) for p in paths)
+    a, b = (torch.load(p)["fp16"] for p in paths)
     assert max((x - y).abs().max().item() for x, y in zip(a, b, strict=True)) <= 1e-10
 
 

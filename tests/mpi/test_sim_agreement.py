@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.loops import Worker, run_allreduce, run_server, run_worker
-from collsync.loops_partial import run_partial
+from collsync.loops import Worker, run_allreduce, run_partial, run_server, run_worker
 from collsync.policy import SyncPolicy, asynchronous, bsp, ssp
 from collsync.rules import momentum
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_partial import PartialAllreduce
 from collsync.runtime.mpi_rma import WindowMailbox
-from collsync.runtime.sim import Simulator
 from collsync.server import Server
+from collsync.sim import Simulator
 from collsync.trace import Trace
 
 NUMEL, STEPS = 33, 25

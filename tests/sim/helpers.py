@@ -8,8 +8,8 @@ from collsync.loops import Gradients
 from collsync.models import mlp
 from collsync.policy import SyncPolicy
 from collsync.rules import Rule, momentum
-from collsync.runtime.sim import Simulator
 from collsync.server import Server
+from collsync.sim import Simulator
 
 DATA = synthetic(samples=600, features=10, classes=3, seed=0)
 

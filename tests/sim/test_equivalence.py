@@ -10,7 +10,7 @@ from collsync.data import Batches
 from collsync.loops import Gradients
 from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rules import momentum
-from collsync.runtime.sim import Deadlock
+from collsync.sim import Deadlock
 from collsync.stragglers import Stragglers, gamma_heterogeneous
 from collsync.types import Context
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.loops_partial import apply_result, check_policy, run_partial
+from collsync.loops import apply_result, check_policy, run_partial
 from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rules import sgd
 from collsync.runtime.mpi_partial import (
