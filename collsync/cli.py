@@ -78,6 +78,11 @@ def _shared_run_dir() -> None:
 
 def train() -> None:
     """`collsync-train [overrides...]`: see `collsync-train --help` and `conf/`."""
+    if "--version" in sys.argv[1:]:
+        from collsync import __version__
+
+        print(f"collsync {__version__}")
+        return
     _shared_run_dir()
     _train()
 

@@ -63,3 +63,11 @@ def test_multirun_sweeps_locally(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summaries = sorted((tmp_path / "run").glob("*/summary.json"))
     assert len(summaries) == 2
+
+
+def test_version_is_collsyncs():
+    import collsync
+
+    proc = subprocess.run([*TRAIN, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"collsync {collsync.__version__}"
+    assert collsync.__version__ not in ("", "0+unknown")
