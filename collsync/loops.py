@@ -94,15 +94,27 @@ class Worker:
         return Arrival(self.rank, self.version, grad if push else None, self.clock)
 
 
-def run_worker(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat) -> int:
-    """Read, compute, send until the server says done. Returns the number of gradients sent."""
-    while True:
-        fetch = worker.will_fetch()
-        stamp = mailbox.read(params, worker.ready, fetch=fetch)
-        if stamp.done:
-            return worker.steps
+def pull(worker: Worker, mailbox: Mailbox, params: Flat) -> Stamp:
+    """One worker's read: wait until the policy lets it start, copy the parameters into `params` (unless B-FASGD
+    skips this fetch) and begin the next gradient. A `done` stamp means training is over (`params` untouched)."""
+    fetch = worker.will_fetch()
+    stamp = mailbox.read(params, worker.ready, fetch=fetch)
+    if not stamp.done:
         worker.begin(stamp, fetched=fetch)
-        mailbox.send(worker.arrival(grads(params, worker.rank, worker.steps)))
+    return stamp
+
+
+def push(worker: Worker, mailbox: Mailbox, grad: Flat) -> None:
+    """One worker's send: the gradient it computed since its last `pull`, tagged with that version and round."""
+    mailbox.send(worker.arrival(grad))
+
+
+def run_worker(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat) -> int:
+    """Pull, compute, push until the server says done. Returns the number of gradients sent. (`collsync.torch`
+    runs the same `pull` and `push` around a user's own backward pass.)"""
+    while not pull(worker, mailbox, params).done:
+        push(worker, mailbox, grads(params, worker.rank, worker.steps))
+    return worker.steps
 
 
 # How often a server whose workers decide when training ends (`until_left`) looks for workers that left.

@@ -198,24 +198,38 @@ def _server(
 
 
 def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any] | None:
+    """The MPI runtimes, as a client of `collsync.torch`: its `init` checks the world against the launcher, shares
+    the cores among the ranks and gives each rank its role; `runtime=mpi` opens its shards as the API's server
+    modes do (`Shards`), and its server ranks are driven here (`serve=False`) to evaluate and write the run."""
+    import collsync.torch as cst
     from collsync.data import Batches
-    from collsync.runtime.mpi_world import set_threads, world
+    from collsync.torch._world import state
 
-    comm = world()
-    set_threads(comm)
     spec = parts.runtime
-    workers = comm.Get_size() - (spec.servers if spec.kind == "mpi" else 0)  # serverless: every rank works
-    if workers < 1:
+    servers = spec.servers if spec.kind == "mpi" else 0  # serverless: every rank works
+    size = state().world.Get_size() if cst.is_initialized() else _world_size()
+    if size - servers < 1:
         raise ValueError(
-            f"runtime={spec.kind}: {comm.Get_size()} rank(s) leave no worker beside {spec.servers} server(s); "
+            f"runtime={spec.kind}: {size} rank(s) leave no worker beside {spec.servers} server(s); "
             f"launch at least {spec.servers + 1} ranks"
         )
+    if cst.is_initialized() and state().servers != servers:
+        cst.shutdown()  # a sweep run in one process whose runs differ in runtime.servers
+    cst.init(servers=servers, serve=False)
+    comm = state().world
+    workers = comm.Get_size() - servers
     _check_fit(parts, workers)
     grads: GradFn = Gradients(flat, Batches(parts.data, workers, int(cfg.batch_size), int(cfg.seed)))
     sampler = parts.stragglers.sampler(workers, int(cfg.seed)) if spec.inject_stragglers else None
     launch = _Launch(cfg, parts, flat, out_dir, comm, workers, grads, sampler)
     runners = {"allreduce": _run_allreduce, "partial": _run_partial}
     return runners.get(spec.kind, _run_shards)(launch)
+
+
+def _world_size() -> int:
+    from collsync.runtime.mpi_world import world
+
+    return world().Get_size()
 
 
 @dataclass
@@ -292,28 +306,27 @@ def _run_partial(run: _Launch) -> dict[str, Any] | None:
 def _run_shards(run: _Launch) -> dict[str, Any] | None:
     """Parameter-server shards on MPI windows: ranks 0..M-1 each serve one block, the other ranks are workers."""
     from collsync.checks import check_trace
-    from collsync.runtime.mpi_shards import ShardedMailbox, open_shards, shard_bounds, snapshot
+    from collsync.runtime.mpi_shards import Shards
 
     cfg, parts, flat, comm, workers, grads = run.cfg, run.parts, run.flat, run.comm, run.workers, run.grads
-    spec, rank, servers = parts.runtime, comm.Get_rank(), parts.runtime.servers
-    bounds = shard_bounds(flat.numel, servers)
-    shards = open_shards(comm, flat.numel, servers)
+    spec, servers = parts.runtime, parts.runtime.servers
+    shards = Shards(comm, flat.numel, servers)
     trace = Trace()
-    # No `finally: free()`: freeing is collective, and after a failure the other ranks are not there to join it;
+    # No `finally: close()`: freeing is collective, and after a failure the other ranks are not there to join it;
     # the error reaches cli._fail, which aborts the world instead.
-    if rank < servers:
-        start, stop = bounds[rank]
-        server = _server(cfg, parts, flat, workers, trace, block=slice(start, stop))
+    if shards.serving:
+        block = shards.block
+        server = _server(cfg, parts, flat, workers, trace, block=block)
         evaluate = None
-        if rank == 0:
+        if shards.rank == 0:
             bar = _progress(int(cfg.steps), bool(cfg.progress))
             full = flat.params.clone()
 
             def assemble(server: Server) -> tuple[torch.Tensor, torch.Tensor | None]:
                 # The other blocks as their servers last published them (their view: theta, or DANA's look-ahead).
                 # Not our own shard: it is published only once run_server starts, after the first evaluation.
-                snapshot(shards[1:], bounds[1:], full)
-                full[start:stop] = server.params
+                shards.snapshot(full)
+                full[block] = server.params
                 return full, None
 
             evaluate = Evaluator(
@@ -327,26 +340,25 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
             )
             evaluate(server)
         model = parts.stragglers
-        if run.sampler is not None and model.slow_server > 0 and rank == model.slow_shard:
-            _slow_server(shards[rank], model.slow_server * spec.time_scale)
-        run_server(server, shards[rank], on_update=evaluate)
-        if rank == 0 and bar is not None:
+        if run.sampler is not None and model.slow_server > 0 and shards.rank == model.slow_shard:
+            _slow_server(shards.own, model.slow_server * spec.time_scale)
+        run_server(server, shards.own, on_update=evaluate)
+        if shards.rank == 0 and bar is not None:
             bar.close()
         applies = trace.of("apply")
         # Each shard's own clock starts at the (collective) window creation: close enough to compare shards.
         counts = {**check_trace(trace, parts.policy, workers), "last_update_s": applies[-1]["t"] if applies else 0.0}
         mine: Any = (server.params, server.ema, server.version, counts)
     else:
-        worker = Worker(shards[0].worker, parts.policy, seed=int(cfg.seed))
-        mailbox = ShardedMailbox(shards, bounds, parts.policy.pull_fraction, parts.policy.pull_timeout)
+        mailbox = shards.worker_mailbox(parts.policy.pull_fraction, parts.policy.pull_timeout)
+        worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
         if run.sampler is not None:
             grads = _injected(grads, run.sampler, spec.time_scale, lambda: mailbox.peek().done)
         run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
         mine = mailbox.partial_reads
     blocks = comm.gather(mine, root=0)
-    for shard in shards:
-        shard.free()
-    if rank != 0:
+    shards.close()
+    if shards.rank != 0:
         return None
     params = torch.cat([b[0] for b in blocks[:servers]])
     ema = None if server.ema is None else torch.cat([b[1] for b in blocks[:servers]])
@@ -354,7 +366,7 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         assert evaluate is not None
         evaluate.record(server.version, params, ema)
     extra = {
-        "shards": [{"rank": j, "params": list(bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])],
+        "shards": [{"rank": j, "params": list(shards.bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])],
         "partial_pulls": sum(blocks[servers:]),  # reads that went on without every shard (PSP's partial pull)
     }
     return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)

@@ -158,3 +158,49 @@ def snapshot(shards: list[WindowMailbox], bounds: Bounds, out: Flat) -> Flat:
     for shard, (start, stop) in zip(shards, bounds, strict=True):
         shard.snapshot(out[start:stop])
     return out
+
+
+class Shards:
+    """The M shards of one model over `world`, as every rank holds them (collective open, collective `close`).
+
+    Ranks 0..M-1 serve: `block` is the slice of the flat parameters this rank serves and `own` its mailbox. The
+    other ranks are workers: `worker_mailbox(...)` is their `ShardedMailbox`. `close()` waits (without spinning)
+    until every rank is done with the windows, then frees them. `collsync-train runtime=mpi` and the server modes
+    of `collsync.torch` both open their shards through this class.
+    """
+
+    def __init__(self, world: Any, numel: int, servers: int, dtype: torch.dtype = torch.float32) -> None:
+        self.world, self.servers = world, servers
+        self.bounds = shard_bounds(numel, servers)
+        self.mailboxes = open_shards(world, numel, servers, dtype)
+        self.rank = world.Get_rank()
+
+    @property
+    def serving(self) -> bool:
+        return self.rank < self.servers
+
+    @property
+    def block(self) -> slice:
+        start, stop = self.bounds[self.rank]
+        return slice(start, stop)
+
+    @property
+    def own(self) -> WindowMailbox:
+        """The mailbox of the shard this rank serves."""
+        return self.mailboxes[self.rank]
+
+    def worker_mailbox(self, pull_fraction: float = 1.0, pull_timeout: float | None = None) -> ShardedMailbox:
+        return ShardedMailbox(self.mailboxes, self.bounds, pull_fraction, pull_timeout)
+
+    def snapshot(self, out: Flat) -> Flat:
+        """The other shards' last published blocks into `out` (this rank's own block left as it is)."""
+        others = [j for j in range(self.servers) if j != self.rank]
+        return snapshot([self.mailboxes[j] for j in others], [self.bounds[j] for j in others], out)
+
+    def close(self) -> None:
+        """Collective over the world: once every rank got here (an Ibarrier polled with pauses), free the windows."""
+        from collsync.runtime.mpi_coll import shutdown
+
+        shutdown(self.world)
+        for mailbox in self.mailboxes:
+            mailbox.free()

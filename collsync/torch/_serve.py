@@ -61,23 +61,16 @@ def serve(world: Any, servers: int, job: Job) -> None:
     """Serve this rank's shard of `job` until the workers leave (collective with the workers' `ServerMode`)."""
     from collsync.loops import run_server
     from collsync.rules import combine
-    from collsync.runtime.mpi_coll import shutdown
-    from collsync.runtime.mpi_shards import open_shards, shard_bounds
+    from collsync.runtime.mpi_shards import Shards
     from collsync.server import Server
     from collsync.torch.config import build, server_penalty
 
-    rank = world.Get_rank()
-    numel = job.params.numel()
-    start, stop = shard_bounds(numel, servers)[rank]
     penalty, optimizer = combine(build(server_penalty(job.penalty, job.rule)), build(job.rule))
-    shards = open_shards(world, numel, servers, job.params.dtype)
-    server = Server(
-        job.params[start:stop], optimizer, job.policy, job.workers, penalty=penalty, ema_decay=job.ema_decay
-    )
-    run_server(server, shards[rank], until_left=True)
-    shutdown(world)  # every rank, workers included, is done with the windows
-    for shard in shards:
-        shard.free()
+    shards = Shards(world, job.params.numel(), servers, job.params.dtype)
+    block = job.params[shards.block]
+    server = Server(block, optimizer, job.policy, job.workers, penalty=penalty, ema_decay=job.ema_decay)
+    run_server(server, shards.own, until_left=True)
+    shards.close()
 
 
 def send_job(world: Any, servers: int, job: Job) -> None:

@@ -36,6 +36,8 @@ class World:
     # More ranks on this node than cores: a rank waiting in a blocking collective would spin on a core another rank
     # needs to compute, so waits poll a nonblocking operation with pauses instead.
     oversubscribed: bool = False
+    role: str = "worker"
+    serve: bool = True  # server ranks serve inside init() (False: the caller drives them, as collsync-train does)
 
     @property
     def server_ranks(self) -> list[int]:
@@ -59,6 +61,7 @@ def init(
     sync: Any = None,
     servers: int | None = None,
     backend: str | None = None,
+    serve: bool = True,
 ) -> None:
     """Initialise collsync (Horovod's `hvd.init()`), reserving parameter-server ranks when the sync mode needs them.
 
@@ -70,6 +73,8 @@ def init(
         servers: ranks 0..servers-1 serve parameter shards (default: what `sync` says, else the environment
             variable COLLSYNC_SERVERS, else 0). With servers >= 1 every sync mode runs on the parameter server.
         backend: "mpi" (default) or "horovod": what reduces gradients under full sync (bsp without servers).
+        serve: False for a caller that runs the server ranks itself (`collsync-train`): they return from
+            `init()` with `role() == "server"`, and `rank()` / `size()` count the servers there.
 
     Raises:
         ValueError: bad values (the world too small for the servers, an unknown backend).
@@ -120,15 +125,18 @@ def init(
     rank = world.Get_rank()
     is_server = rank < servers
     comm_w = world.Split(0 if not is_server else 1, rank)
-    if is_server:
+    role = "server" if is_server else "worker"
+    if is_server and serve:
         from collsync.torch._serve import serve_forever
 
         _STATE = World(world, comm_w, servers, None, None, config, backend, oversubscribed=oversubscribed)
         serve_forever(_STATE)  # never returns: the process exits once the workers left
     local = comm_w.Split_type(MPI.COMM_TYPE_SHARED, key=comm_w.Get_rank())
     cross = comm_w.Split(local.Get_rank(), comm_w.Get_rank())
-    _STATE = World(world, comm_w, servers, local, cross, config, backend, oversubscribed=oversubscribed)
-    if backend == "horovod":
+    _STATE = World(
+        world, comm_w, servers, local, cross, config, backend, oversubscribed=oversubscribed, role=role, serve=serve
+    )
+    if backend == "horovod" and role == "worker":
         from collsync.runtime.horovod import init as horovod_init
 
         horovod_init(comm_w)
@@ -145,7 +153,7 @@ def shutdown() -> None:
     for close in reversed(st.cleanups):
         close()
     st.cleanups.clear()
-    if st.servers:
+    if st.servers and st.serve and st.role == "worker":
         from collsync.torch._serve import release_servers
 
         release_servers(st)
@@ -157,7 +165,8 @@ def is_initialized() -> bool:
 
 
 def rank() -> int:
-    """This worker's rank among the workers (0..size()-1); server ranks never run the script past `init()`."""
+    """This worker's rank among the workers (0..size()-1); server ranks never run the script past `init()`
+    (after `init(serve=False)`, a server's rank among the servers)."""
     return state("rank()").comm.Get_rank()
 
 
@@ -183,9 +192,9 @@ def cross_size() -> int:
 
 
 def role() -> str:
-    """'worker' on every rank that runs the script. (Server ranks serve inside `init()` and never get here.)"""
-    state("role()")
-    return "worker"
+    """'worker' on every rank that runs the script; 'server' only after `init(serve=False)` on a server rank
+    (with the default `serve=True` server ranks serve inside `init()` and never get here)."""
+    return state("role()").role
 
 
 def world_rank() -> int:

@@ -253,13 +253,14 @@ class PartialMode:
 
 
 class ServerMode:
-    """A worker of the parameter-server shards: see the module docstring."""
+    """A worker of the parameter-server shards: see the module docstring. `step()` is `loops.push` then
+    `loops.pull`, the two halves of the worker loop `collsync-train` runs (`loops.run_worker`)."""
 
     def __init__(
         self, st: World, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], config: SyncConfig
     ) -> None:
         from collsync.loops import Worker
-        from collsync.runtime.mpi_shards import ShardedMailbox, open_shards, shard_bounds
+        from collsync.runtime.mpi_shards import Shards
         from collsync.torch._serve import Job, send_job
 
         policy = config.policy
@@ -272,13 +273,11 @@ class ServerMode:
         numel = self.flat.buf.numel()
         if numel < st.servers:
             raise ValueError(f"DistributedOptimizer: {numel} parameters cannot be split over {st.servers} servers")
+        self.params = self.flat.read_params().clone()
         if st.comm.Get_rank() == 0:
-            send_job(st.world, st.servers, Job(self.flat.read_params().clone(), policy, rule, config.penalty, workers))
-        shards = open_shards(st.world, numel, st.servers, self.flat.buf.dtype)
-        self.shards = shards
-        self.mailbox = ShardedMailbox(
-            shards, shard_bounds(numel, st.servers), policy.pull_fraction, policy.pull_timeout
-        )
+            send_job(st.world, st.servers, Job(self.params.clone(), policy, rule, config.penalty, workers))
+        self.shards = Shards(st.world, numel, st.servers, self.flat.buf.dtype)
+        self.mailbox = self.shards.worker_mailbox(policy.pull_fraction, policy.pull_timeout)
         self.worker = Worker(self.mailbox.worker, policy)
         self.lrs = [g.get("lr") for g in optimizer.param_groups]
         self.optimizer = optimizer
@@ -288,20 +287,20 @@ class ServerMode:
         self._pull()
 
     def _pull(self) -> None:
-        fetch = self.worker.will_fetch()
-        stamp = self.mailbox.read(self.flat.buf, self.worker.ready, fetch=fetch)
-        if stamp.done:
+        from collsync.loops import pull
+
+        if pull(self.worker, self.mailbox, self.params).done:
             self.finished = True
-            return
-        self.worker.begin(stamp, fetched=fetch)
-        if fetch:
-            self.flat.set_params(self.flat.buf)
+        else:
+            self.flat.set_params(self.params)  # a fetch B-FASGD skipped leaves `params` as it was: no change
 
     def synchronize(self) -> None:
         """Nothing to average locally: the gradient goes to the servers at `step()` (clip it in between)."""
         self.synchronized = True
 
     def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
+        from collsync.loops import push
+
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -316,14 +315,13 @@ class ServerMode:
                 "parameter server applies the rule it was given at construction",
                 stacklevel=3,
             )
-        grad = self.flat.grads().clone()
-        self.mailbox.send(self.worker.arrival(grad))
+        push(self.worker, self.mailbox, self.flat.grads().clone())
         self._pull()
         return loss
 
     def join(self) -> int:
         self.leave()
-        return ops.state("join").comm.Get_rank()
+        return self.st.comm.Get_rank()
 
     def leave(self) -> None:
         if not self.left:
@@ -332,12 +330,8 @@ class ServerMode:
             self.finished = True
 
     def close(self) -> None:
-        from collsync.runtime.mpi_coll import shutdown
-
         self.leave()
-        shutdown(self.st.world)
-        for shard in self.shards:
-            shard.free()
+        self.shards.close()
 
 
 class _Distributed:
