@@ -127,6 +127,7 @@ def run_server(
     on_update: Callable[[Server], None] | None = None,
     *,
     until_left: bool = False,
+    publish_delay: float = 0.0,
 ) -> Server:
     """Receive, accept, publish until `server.done`; then drop what is still in flight.
 
@@ -138,16 +139,19 @@ def run_server(
     server stops (`Server.stop`) once every worker left a stream policy, or once any worker left a round policy
     (the rounds it would have joined can no longer complete); the others then read `done`. The mailbox must offer
     `departed()` (the workers that left).
+
+    `publish_delay`: a slow server (`stragglers=slow_server`): after each update it stays busy that many seconds
+    before workers see the new version, as the simulator models it.
     """
     policy = server.policy
     mailbox.publish(server.view(), server.stamp())
     flush_at: float | None = None
-    armed: int | None = None
     last = time.monotonic()  # the last time anything arrived (the deadline counts from it)
     looked = last
     while not server.done:
-        if policy.timeout is not None and server.collecting() and armed != server.version:
-            armed, flush_at = server.version, time.monotonic() + policy.timeout
+        fires = server.arm(time.monotonic())
+        if fires is not None:
+            flush_at = fires
         wait = policy.deadline if flush_at is None else max(0.0, flush_at - time.monotonic())
         if until_left:
             wait = _LEFT_POLL_S if wait is None else min(wait, _LEFT_POLL_S)
@@ -158,7 +162,7 @@ def run_server(
             last = now
             server.accept(arrival)
         elif flush_at is not None and now >= flush_at:
-            server.flush()
+            server.expire(server.version)
         elif flush_at is None and policy.deadline is not None and now - last >= policy.deadline:
             raise TimeoutError(_stuck_message(server))
         if until_left and (arrival is None or now - looked >= _LEFT_POLL_S):
@@ -168,6 +172,8 @@ def run_server(
                 server.stop()
         if server.version != before or server.done:
             flush_at, last = None, now
+            if publish_delay and server.version != before:
+                time.sleep(publish_delay)
             mailbox.publish(server.view(), server.stamp())
             if on_update is not None:
                 on_update(server)

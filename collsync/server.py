@@ -64,6 +64,7 @@ class Server:
         if policy.bandwidth_aware:
             bfasgd_v(self.opt_state)  # fails now, naming the fix, unless the optimizer is FASGD
         self._oldest = [0] * workers
+        self._armed: int | None = None  # the version whose collection timeout is running (see `arm`)
         if self.needs_read:
             self._history[0] = self.view().clone()
 
@@ -122,6 +123,20 @@ class Server:
             return False
         waiting = len(self.pending.get(self.version if self.policy.rounds else -1, ()))
         return waiting >= (self.quorum if self.policy.rounds else 1)
+
+    def arm(self, now: float) -> float | None:
+        """When the collection timeout of the current update fires, if it starts now: the first time the server is
+        `collecting()` for this version (000_... §6, 003_... tau1); else None (not collecting, or already armed).
+        Both drivers use it: `loops.run_server` on the wall clock, `sim.Simulator` on its virtual clock."""
+        timeout = self.policy.timeout
+        if timeout is None or not self.collecting() or self._armed == self.version:
+            return None
+        self._armed = self.version
+        return now + timeout
+
+    def expire(self, version: int) -> bool:
+        """The collection timeout armed at `version` fired: flush if the server is still at that update."""
+        return version == self.version and not self.done and self.flush()
 
     def flush(self) -> bool:
         """The collection timeout fired: apply what has arrived for the current update (a stream: anything; a

@@ -43,7 +43,6 @@ class Simulator:
         self.trace = Trace(clock=lambda: self.now if self._frozen_clock is None else self._frozen_clock)
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
-        self._armed: int | None = None
 
     def _schedule(self, t: float, kind: int, worker: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, worker, payload))
@@ -111,8 +110,8 @@ class Simulator:
             if kind == _PUSH:
                 arrival: Arrival = payload
                 server.accept(arrival)
-            elif kind == _TIMEOUT and payload == server.version and not server.done:
-                server.flush()
+            elif kind == _TIMEOUT:
+                server.expire(payload)
             woken = {w} if kind == _PUSH else set()
             if server.version != before:
                 if on_update is not None:
@@ -139,9 +138,6 @@ class Simulator:
         return server
 
     def _arm_timeout(self, server: Server) -> None:
-        # A collection deadline starts once per update, when the server starts collecting (the first gradient of a
-        # stream update, the quorum-th of a round: 000_... §6, 003_... tau1); it fires only if still that update.
-        timeout = server.policy.timeout
-        if timeout is not None and server.collecting() and self._armed != server.version:
-            self._armed = server.version
-            self._schedule(self.now + timeout, _TIMEOUT, -1, server.version)
+        fires = server.arm(self.now)
+        if fires is not None:
+            self._schedule(fires, _TIMEOUT, -1, server.version)

@@ -340,9 +340,8 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
             )
             evaluate(server)
         model = parts.stragglers
-        if run.sampler is not None and model.slow_server > 0 and shards.rank == model.slow_shard:
-            _slow_server(shards.own, model.slow_server * spec.time_scale)
-        run_server(server, shards.own, on_update=evaluate)
+        slow = run.sampler is not None and model.slow_server > 0 and shards.rank == model.slow_shard
+        run_server(server, shards.own, on_update=evaluate, publish_delay=model.slow_server * spec.time_scale * slow)
         if shards.rank == 0 and bar is not None:
             bar.close()
         applies = trace.of("apply")
@@ -370,17 +369,6 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         "partial_pulls": sum(blocks[servers:]),  # reads that went on without every shard (PSP's partial pull)
     }
     return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
-
-
-def _slow_server(mailbox: Any, seconds: float) -> None:
-    """A slow server shard in a real run: every publish comes `seconds` late, the server busy meanwhile."""
-    publish = mailbox.publish
-
-    def slow(params: torch.Tensor, stamp: Any) -> None:
-        time.sleep(seconds)
-        publish(params, stamp)
-
-    mailbox.publish = slow
 
 
 def _injected(grads: GradFn, sampler: Any, scale: float, finished: Callable[[], bool]) -> GradFn:
