@@ -221,37 +221,22 @@ def mpi_threads_supported() -> bool:
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
-def mpi_enabled() -> bool:
-    return True
+def _fixed(name: str, value: Any) -> Any:
+    """One of Horovod's build queries, whose answer is fixed for collsync (MPI on the CPU, nothing else)."""
+
+    def query() -> Any:
+        return value
+
+    query.__name__ = query.__qualname__ = name
+    return query
 
 
-def mpi_built() -> bool:
-    return True
-
-
-def gloo_enabled() -> bool:
-    return False
-
-
-def gloo_built() -> bool:
-    return False
-
-
-def nccl_built() -> int:
-    return 0
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
+mpi_enabled = _fixed("mpi_enabled", True)
+mpi_built = _fixed("mpi_built", True)
+gloo_enabled = _fixed("gloo_enabled", False)
+gloo_built = _fixed("gloo_built", False)
+nccl_built = _fixed("nccl_built", 0)
+ddl_built = _fixed("ddl_built", False)
+ccl_built = _fixed("ccl_built", False)
+cuda_built = _fixed("cuda_built", False)
+rocm_built = _fixed("rocm_built", False)
