@@ -130,3 +130,34 @@ def test_vs_peers_benchmark_runs_at_tiny_size(tmp_path):
     sides = set(result["sizes"]["tiny"]["ms_per_step"])
     assert {"loop", "collsync", "backup", "ddp"} <= sides
     assert ("horovod" in sides) == result["horovod"]
+
+
+def _idx(path: Path, array) -> None:
+    import numpy as np
+
+    array = np.asarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 8, array.ndim]) + np.array(array.shape, dtype=">u4").tobytes()
+    path.write_bytes(header + array.tobytes())
+
+
+def test_example_reads_mnist_idx_files(tmp_path):
+    """The example's --mnist path, on a tiny MNIST-shaped folder: two classes told apart by which half is bright."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def images(labels):
+        x = rng.integers(0, 60, (len(labels), 28, 28))
+        for i, label in enumerate(labels):
+            half = slice(0, 14) if label == 0 else slice(14, 28)  # 0: top-left bright, 1: bottom-right
+            x[i, half, half] += 180
+        return x
+
+    train, test = rng.integers(0, 2, 256), rng.integers(0, 2, 64)
+    _idx(tmp_path / "train-images-idx3-ubyte", images(train))
+    _idx(tmp_path / "train-labels-idx1-ubyte", train)
+    _idx(tmp_path / "t10k-images-idx3-ubyte", images(test))
+    _idx(tmp_path / "t10k-labels-idx1-ubyte", test)
+    proc = mpirun(2, "examples/mnist.py", "--mnist", str(tmp_path), "--epochs", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert accuracy(proc.stdout) >= 0.90
