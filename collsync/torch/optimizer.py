@@ -68,6 +68,7 @@ class _Flat:
         # `flag`: one more element after the gradients, 1 from a worker that steps and 0 from one that joined, so
         # the reduction itself says whether anyone still steps (join without a reduction of its own).
         self.flag = flag
+        self.sparse_as_dense = False
         self.buf = torch.zeros(sum(self.sizes) + int(flag), dtype=dtype)
 
     def grads(self, active: bool = True) -> torch.Tensor:
@@ -82,6 +83,12 @@ class _Flat:
             view = self.buf[offset : offset + n]
             if p.grad is None:
                 view.zero_()
+            elif p.grad.is_sparse:
+                if not self.sparse_as_dense:
+                    raise NotImplementedError(
+                        "DistributedOptimizer: sparse gradients are reduced only with sparse_as_dense=True"
+                    )
+                view.copy_(p.grad.detach().to_dense().reshape(-1))
             else:
                 view.copy_(p.grad.detach().reshape(-1))
             offset += n
@@ -93,6 +100,8 @@ class _Flat:
             src = flat[offset : offset + n].view_as(p)
             if p.grad is None:
                 p.grad = src.clone()
+            elif p.grad.is_sparse:
+                p.grad = src.clone().to_sparse()  # back to sparse for the update, as Horovod does
             else:
                 p.grad.detach().copy_(src)
             offset += n
@@ -128,7 +137,14 @@ class AllreduceMode:
     name = "bsp"
 
     def __init__(
-        self, st: World, params: list[torch.Tensor], compression: Any, passes: int, op: int, predivide: float
+        self,
+        st: World,
+        params: list[torch.Tensor],
+        compression: Any,
+        passes: int,
+        op: int,
+        predivide: float,
+        sparse_as_dense: bool = False,
     ) -> None:
         self.st, self.compression, self.passes, self.op = st, compression, passes, op
         # Horovod's split of the average: 1/f before the sum, f/size after it (the 1/size applied by the reduction).
@@ -137,6 +153,8 @@ class AllreduceMode:
         for p in params:
             groups.setdefault(p.dtype, []).append(p)
         self.flats = [_Flat(ps, flag=i == 0) for i, ps in enumerate(groups.values())]
+        for flat in self.flats:
+            flat.sparse_as_dense = sparse_as_dense
         self.counts = {id(p): 0 for p in params}
         self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
         self.synchronized = False
@@ -437,9 +455,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             f"world starts: call collsync.torch.init(sync={name!r}) (or init(servers=M), or set COLLSYNC_SERVERS)"
         )
     elif name == "bsp":
-        if sparse_as_dense is False and any(getattr(p, "_sparse_grad", False) for p in params):
-            raise NotImplementedError("DistributedOptimizer: sparse gradients need sparse_as_dense=True")
-        mode = AllreduceMode(st, params, compression, backward_passes_per_step, op, gradient_predivide_factor)
+        mode = AllreduceMode(
+            st, params, compression, backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense
+        )
     elif name == "backup":
         if compression is not ops.Compression.none or op != ops.Average or gradient_predivide_factor != 1.0:
             raise ValueError(

@@ -228,3 +228,22 @@ def test_sync_batch_norm_equals_batch_norm_on_the_concatenated_batch():
     torch.testing.assert_close(ours.running_var, ref.running_var, rtol=0, atol=1e-12)
     weight_grad = hvd.allreduce(ours.weight.grad, op=hvd.Sum)
     torch.testing.assert_close(weight_grad, ref.weight.grad, rtol=0, atol=1e-12)
+
+
+def test_sparse_gradients_need_sparse_as_dense():
+    emb = nn.Embedding(4, 2, sparse=True).double()
+    hvd.broadcast_parameters(emb.state_dict(), root_rank=0)
+    before = emb.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0), sparse_as_dense=True)
+    emb(torch.tensor([hvd.rank() % 4])).sum().backward()
+    opt.step()
+    touched = {r % 4 for r in range(hvd.size())}
+    for row in range(4):
+        moved = not torch.equal(emb.weight[row].detach(), before[row])
+        assert moved == (row in touched)
+    opt.close()
+    plain = hvd.DistributedOptimizer(torch.optim.SGD(nn.Embedding(4, 2, sparse=True).double().parameters(), lr=1.0))
+    plain.param_groups[0]["params"][0].grad = torch.ones(4, 2, dtype=torch.float64).to_sparse()
+    with pytest.raises(NotImplementedError, match="sparse_as_dense=True"):
+        plain.step()
+    plain.close()
