@@ -164,7 +164,7 @@ def run_server(
         elif flush_at is not None and now >= flush_at:
             server.expire(server.version)
         elif flush_at is None and policy.deadline is not None and now - last >= policy.deadline:
-            raise TimeoutError(_stuck_message(server))
+            raise TimeoutError(_stuck_message(server, getattr(mailbox, "describe", None)))
         if until_left and (arrival is None or now - looked >= _LEFT_POLL_S):
             looked = now
             left = mailbox.departed()  # type: ignore[attr-defined]
@@ -182,12 +182,13 @@ def run_server(
     return server
 
 
-def _stuck_message(server: Server) -> str:
+def _stuck_message(server: Server, describe: Callable[[list[int]], str] | None = None) -> str:
     got = {a.worker for a in server.pending.get(server.version, [])}
     missing = [w for w in range(server.workers) if w not in got]
+    named = describe(missing) if describe is not None else f"worker(s) {missing}"
     return (
         f"{server.policy.name}: round {server.version} got no gradient within deadline={server.policy.deadline}s; "
-        f"waiting on worker(s) {missing}"
+        f"waiting on {named}"
     )
 
 

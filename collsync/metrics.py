@@ -111,8 +111,10 @@ def format_summary(s: dict[str, Any]) -> str:
     reached = "  ".join(
         f"{float(a):g}: {'never' if t is None else f'{t:.2f} s'}" for a, t in (s.get("time_to_acc") or {}).items()
     )
+    incomplete = [f"INCOMPLETE   {s['incomplete']}"] if s.get("incomplete") else []
     return "\n".join(
-        [
+        incomplete
+        + [
             f"accuracy     theta {_num(s['final_acc'])}  EMA {_num(s['final_ema_acc'])}  "
             f"best {_num(s['best_acc'])} (EMA {_num(s['best_ema_acc'])})",
             f"time         {s['time_s']:.2f} s  {s['updates']} updates  {_num(s['updates_per_s'], '.2f')} updates/s",

@@ -119,19 +119,29 @@ class SyncPolicy:
         return max(clock + 1, version) if self.rounds else version
 
 
-def bsp(deadline: float | None = None) -> SyncPolicy:
+# The longest a server waits for any gradient at all (and, at the end, for a worker to stop) before it stops the run
+# naming the workers it waits for: finite by default, so a stopped or dead worker never hangs a job for ever. None
+# (`sync.deadline=null`) waits for ever, when asked for.
+DEADLINE = 600.0
+
+
+def bsp(deadline: float | None = DEADLINE) -> SyncPolicy:
     """Bulk-synchronous: every worker, every round; the mean of all n gradients."""
     return SyncPolicy("bsp", deadline=deadline)
 
 
-def backup(backups: int = 1, deadline: float | None = None) -> SyncPolicy:
+def backup(backups: int = 1, deadline: float | None = DEADLINE) -> SyncPolicy:
     """Sync-Opt with b backup workers (000_... Alg. 3-4): the first N = n - b gradients of each round are averaged,
     later ones are dropped."""
     return SyncPolicy("backup", backups=backups, deadline=deadline)
 
 
 def asynchronous(
-    quorum: int = 1, timeout: float | None = None, c_push: float | None = None, c_fetch: float | None = None
+    quorum: int = 1,
+    timeout: float | None = None,
+    c_push: float | None = None,
+    c_fetch: float | None = None,
+    deadline: float | None = DEADLINE,
 ) -> SyncPolicy:
     """ASGD (001_... Alg. 1-2) with quorum 1; with quorum c > 1, updates of c gradients, and with a `timeout`, an
     update of whatever came within `timeout` seconds of its first gradient (for PSP's rounds, see `psp`).
@@ -141,11 +151,18 @@ def asynchronous(
     last gradient on the server, a skipped fetch keeps the worker on the parameters it has.
     """
     return SyncPolicy(
-        "async", rounds=False, quorum=quorum, max_lead=None, timeout=timeout, c_push=c_push, c_fetch=c_fetch
+        "async",
+        rounds=False,
+        quorum=quorum,
+        max_lead=None,
+        timeout=timeout,
+        c_push=c_push,
+        c_fetch=c_fetch,
+        deadline=deadline,
     )
 
 
-def ssp(max_lead: int = 3, timeout: float | None = None, deadline: float | None = None) -> SyncPolicy:
+def ssp(max_lead: int = 3, timeout: float | None = None, deadline: float | None = DEADLINE) -> SyncPolicy:
     """Stale-synchronous parallel (004_... §II-C): a worker may run at most `max_lead` rounds ahead of the slowest.
 
     With a `timeout`, a round is applied with the gradients that came within `timeout` seconds of its first one,
@@ -160,7 +177,7 @@ def psp(
     timeout: float | None = None,
     pull_fraction: float = 0.9,
     pull_timeout: float | None = None,
-    deadline: float | None = None,
+    deadline: float | None = DEADLINE,
 ) -> SyncPolicy:
     """PSP-SGD (003_... Alg. 1): partially synchronous rounds.
 

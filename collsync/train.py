@@ -341,7 +341,15 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
             evaluate(server)
         model = parts.stragglers
         slow = run.sampler is not None and model.slow_server > 0 and shards.rank == model.slow_shard
-        run_server(server, shards.own, on_update=evaluate, publish_delay=model.slow_server * spec.time_scale * slow)
+        try:
+            run_server(server, shards.own, on_update=evaluate, publish_delay=model.slow_server * spec.time_scale * slow)
+        except TimeoutError as exc:
+            # A worker stopped, hung or died: keep what was trained before the error ends the run (cli._fail).
+            if shards.rank == 0:
+                _save_incomplete(run, server, trace, shards, evaluate, str(exc))
+            else:
+                time.sleep(_SAVE_GRACE_S)  # rank 0 writes the run folder before this rank's error aborts the world
+            raise
         if shards.rank == 0 and bar is not None:
             bar.close()
         applies = trace.of("apply")
@@ -369,6 +377,29 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         "partial_pulls": sum(blocks[servers:]),  # reads that went on without every shard (PSP's partial pull)
     }
     return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
+
+
+# How long a server shard other than rank 0 waits, after its deadline expired, before its error aborts the world:
+# rank 0 (whose deadline expires about as soon) writes the run folder meanwhile.
+_SAVE_GRACE_S = 5.0
+
+
+def _save_incomplete(
+    run: _Launch, server: Server, trace: Trace, shards: Any, evaluate: Evaluator | None, message: str
+) -> None:
+    """Rank 0 after a deadline: write the run folder with what the servers hold (the other shards' blocks as they
+    last published them), the summary marked incomplete with the reason."""
+    server.drain()
+    if shards.servers > 1:
+        params = run.flat.params.clone()
+        shards.snapshot(params)
+        params[shards.block] = server.params
+        ema = None
+    else:
+        params, ema = server.params, server.ema
+    if evaluate is not None:
+        evaluate.record(server.version, params, ema)
+    _finish(run.cfg, run.parts, server, trace, run.out_dir, params=params, ema=ema, extra={"incomplete": message})
 
 
 def _injected(grads: GradFn, sampler: Any, scale: float, finished: Callable[[], bool]) -> GradFn:
@@ -407,7 +438,12 @@ def _finish(
     from collsync.metrics import format_summary, summary, write_report
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts = check_trace(trace, parts.policy, server.workers)
+    try:
+        counts = check_trace(trace, parts.policy, server.workers)
+    except (AssertionError, ValueError) as exc:
+        if not (extra or {}).get("incomplete"):
+            raise
+        counts = {"error": str(exc)}  # a run cut short may leave gradients that were never applied or dropped
     trace.write_jsonl(out_dir / "trace.jsonl")
     if params is None:
         params, ema = server.params, server.ema

@@ -120,6 +120,8 @@ class WindowMailbox(Windows):
             raise ValueError(f"mpi: server rank {server_rank} must be a rank of the world and not a worker")
         self.workers = len(ranks)
         self.worker = ranks.index(rank) if rank in ranks else -1
+        self.worker_ranks = ranks
+        self.hosts: list[str] | None = None  # every rank's host name, where the opener gathered them (Shards)
         self._np = np.float32 if dtype == torch.float32 else np.float64
         self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
         item = np.dtype(self._np).itemsize
@@ -259,6 +261,15 @@ class WindowMailbox(Windows):
             self._store(self._slot(self.worker) + 3, 1)
 
     # -- server side -------------------------------------------------------------------------------------------
+    def describe(self, workers: list[int]) -> str:
+        """'worker 1 (rank 2 on node17)', ...: how errors name workers, by rank and host."""
+        named = []
+        for w in workers:
+            rank = self.worker_ranks[w]
+            host = f" on {self.hosts[rank]}" if self.hosts is not None else ""
+            named.append(f"worker {w} (rank {rank}{host})")
+        return ", ".join(named)
+
     def departed(self) -> list[int]:
         """Server: the workers that left (or read the final `done`)."""
         return [w for w in range(self.workers) if self._load(self._slot(w) + 3)]
@@ -332,6 +343,7 @@ class WindowMailbox(Windows):
                 return left
             if end is not None and time.monotonic() > end:
                 raise TimeoutError(
-                    f"training is over but worker(s) {out} did not stop within deadline={timeout}s (stuck or gone)"
+                    f"training is over but {self.describe(out)} did not stop within deadline={timeout}s "
+                    "(stopped, stuck or gone)"
                 )
             backoff.wait()

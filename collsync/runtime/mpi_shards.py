@@ -18,6 +18,7 @@ Training is over for a worker once every shard has published `done`; a shard tha
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -174,6 +175,9 @@ class Shards:
         self.bounds = shard_bounds(numel, servers)
         self.mailboxes = open_shards(world, numel, servers, dtype)
         self.rank = world.Get_rank()
+        hosts = world.allgather(socket.gethostname())  # so that errors name a worker's host, not just its rank
+        for mailbox in self.mailboxes:
+            mailbox.hosts = hosts
 
     @property
     def serving(self) -> bool:

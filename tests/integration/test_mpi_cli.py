@@ -190,3 +190,59 @@ def test_a_stopped_rank_does_not_stop_training(tmp_path, overrides):
     assert longest >= 100, longest
     checks = summary(tmp_path)["trace_checks"]
     assert checks["pushed"] == checks["applied"] + checks["dropped"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process through /proc")
+@pytest.mark.parametrize(
+    ("overrides", "wait"),
+    [
+        (["sync=async", "optimizer=sgd", "steps=400"], "did not stop within deadline=3"),
+        (["sync=bsp", "steps=2000"], "got no gradient within deadline=3"),
+    ],
+    ids=["async", "bsp"],
+)
+def test_a_stopped_worker_ends_the_run_by_the_deadline_keeping_what_was_trained(tmp_path, overrides, wait):
+    """SIGSTOP worker 1 (rank 2) for good: async trains on and fails at the end, BSP stops at once; either way the
+    run ends within the deadline naming the rank and its host, and the run folder holds what was trained."""
+    args = [o for o in command(tmp_path, 4, *overrides, "sync.deadline=3") if o != "progress=false"]
+    proc = subprocess.Popen(args + ["progress=true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
+    reader.start()
+    pids: list[int] = []
+    try:
+        end = time.monotonic() + 120
+        while not re.search(r" ([1-9]\d+)/\d+ ", "".join(err[-400:])) and time.monotonic() < end:
+            assert proc.poll() is None, "".join(err)[-2000:]
+            time.sleep(0.02)
+        pids = _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", 2)
+        assert pids, "rank 2 not found"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        proc.wait(timeout=120)
+        took = time.monotonic() - stopped
+        reader.join(timeout=10)
+    finally:
+        for pid in pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(err)
+    assert proc.returncode != 0
+    assert wait in text and "worker 1 (rank 2 on " in text, text[-2000:]
+    assert took < 60, took
+    result = summary(tmp_path)
+    assert wait in result["incomplete"]
+    assert result["best_acc"] is not None and (tmp_path / "run" / "params.pt").is_file()
+    assert torch_load(tmp_path / "run" / "params.pt")["version"] >= 10
+
+
+def torch_load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=False)

@@ -143,4 +143,4 @@ def test_close_names_a_worker_that_never_stops(comm):
     # Asserted after the collective frees: a failure here must fail the test, not leave the other ranks waiting.
     if box.is_server:
         assert raised is not None, "close() returned although worker 0 never stopped"
-        assert re.search(r"worker\(s\) \[0\] did not stop within deadline=0.2s", str(raised)), str(raised)
+        assert re.search(r"worker 0 \(rank \d+\) did not stop within deadline=0.2s", str(raised)), str(raised)
