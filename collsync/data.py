@@ -57,6 +57,12 @@ def _dataset(
             raise ValueError(f"{name}: {part} labels must be whole numbers (got dtype {y.dtype})")
         if y.min() < 0:
             raise ValueError(f"{name}: {part} labels must be >= 0 (found {y.min()})")
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            bad = np.argwhere(~np.isfinite(x))[0]
+            raise ValueError(
+                f"{name}: {part} features hold non-finite values ({int((~np.isfinite(x)).sum())}; the first, "
+                f"{x[tuple(bad)]}, in row {int(bad[0])}): clean the data before training"
+            )
     found = int(max(ytr.max(), yte.max())) + 1
     if classes is not None and found > classes:
         raise ValueError(f"{name}: labels must be < {classes=} (found {found - 1})")

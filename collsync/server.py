@@ -13,11 +13,19 @@ an MPI run of the same config agree bit for bit where the arrivals agree.
 
 from __future__ import annotations
 
+import torch
+
 from collsync.policy import SyncPolicy
 from collsync.rules.base import Rule, identity
 from collsync.rules.fasgd import bfasgd_v
 from collsync.trace import Trace
 from collsync.types import Arrival, Context, Flat, Stamp
+
+GUARDS = ("stop", "skip", "off")
+
+
+class Diverged(ValueError):
+    """Training went non-finite (or far above its starting loss): the run stops, naming where."""
 
 
 class Server:
@@ -34,8 +42,12 @@ class Server:
         steps: int | None = None,
         ema_decay: float | None = None,
         trace: Trace | None = None,
+        guard: str = "off",
     ) -> None:
         policy.check(workers)
+        if guard not in GUARDS:
+            raise ValueError(f"server: guard={guard!r} must be one of {', '.join(GUARDS)}")
+        self.guard = guard
         if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"server: {ema_decay=} must be in [0, 1)")
         self.params = params.detach().clone()
@@ -111,6 +123,14 @@ class Server:
         if self.done or (self.policy.rounds and arrival.clock < self.version):
             self._drop(arrival, "finished" if self.done else "late")
             return False
+        if self.guard != "off" and not bool(torch.isfinite(arrival.grad).all()):
+            if self.guard == "skip":
+                self._drop(arrival, "nonfinite")
+                return False
+            raise Diverged(
+                f"guard: worker {arrival.worker} sent a non-finite gradient ({_first_bad(arrival.grad)}) at server "
+                f"step {self.version} (guard=skip drops such gradients, guard=off lets them through)"
+            )
         key = arrival.clock if self.policy.rounds else -1
         self.pending.setdefault(key, []).append(arrival)
         self._advance()
@@ -216,6 +236,11 @@ class Server:
             aggregated=len(batch),
         )
         delta, self.opt_state = self.optimizer.update(mean, self.opt_state, self.params, ctx)
+        if self.guard != "off" and not bool(torch.isfinite(delta).all()):
+            raise Diverged(
+                f"guard: the update of server step {self.version} is non-finite ({_first_bad(delta)}), from "
+                f"worker(s) {[a.worker for a in batch]}: lower optimizer.lr, or add warm-up or a penalty"
+            )
         self.params.add_(delta)
         staleness = [self.version - a.version for a in batch]
         self.version += 1
@@ -262,6 +287,11 @@ def replay(
     for a in arrivals:
         server.accept(a)
     return server
+
+
+def _first_bad(t: Flat) -> str:
+    bad = (~torch.isfinite(t)).nonzero()
+    return f"{int(bad.numel())} of {t.numel()} values, the first {t[int(bad[0])].item()} at index {int(bad[0])}"
 
 
 def _gap(state: object) -> float | None:

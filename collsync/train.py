@@ -6,8 +6,10 @@ one line naming the key, not an hour into a job.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from collsync.policy import SyncPolicy
 from collsync.rules import combine, gradual_warmup, linear_scaling
 from collsync.rules.base import Rule
 from collsync.runtime.spec import RuntimeSpec
-from collsync.server import Server
+from collsync.server import Diverged, Server
 from collsync.trace import Trace
 
 
@@ -44,6 +46,10 @@ def build(cfg: DictConfig) -> Parts:
     for key in ("steps", "batch_size", "eval_every"):
         if int(cfg[key]) < 1:
             raise ValueError(f"{key}={cfg[key]} must be >= 1")
+    if str(cfg.get("guard", "stop")) not in ("stop", "skip", "off"):
+        raise ValueError(f"guard={cfg.get('guard')!r} must be one of stop, skip, off")
+    if not float(cfg.get("guard_loss", 10.0)) > 1.0:
+        raise ValueError(f"guard_loss={cfg.get('guard_loss')} must be > 1 (a multiple of the starting test loss)")
     data = instantiate(cfg.data)
     model = instantiate(cfg.model)(input_shape=data.input_shape, classes=data.classes, seed=cfg.seed)
     # A penalty is a Rule applied per arrival, or a wrapper of the optimizer's step (001_... Alg. 3).
@@ -75,9 +81,12 @@ class Evaluator:
         progress: Any = None,
         assemble: Callable[[Server], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
         final_later: bool = False,
+        guard_loss: float | None = None,
     ) -> None:
         self.flat, self.data, self.trace, self.every, self.progress = flat, data, trace, every, progress
         self.assemble, self.final_later = assemble, final_later
+        # `guard_loss`: stop once the test loss is non-finite or above this many times the first one measured.
+        self.guard_loss, self.first_loss = guard_loss, None
 
     def accuracy(self, params: torch.Tensor) -> tuple[float, float]:
         self.flat.load(params)
@@ -105,6 +114,14 @@ class Evaluator:
         self.trace.record("eval", version=version, **fields)
         if self.progress is not None:
             self.progress.set_postfix(acc=f"{acc:.3f}")
+        if self.guard_loss is not None:
+            self.first_loss = loss if self.first_loss is None else self.first_loss
+            if not math.isfinite(loss) or loss > self.guard_loss * self.first_loss:
+                raise Diverged(
+                    f"guard: the test loss is {loss:.4g} at server step {version}, its start was {self.first_loss:.4g} "
+                    f"(guard_loss={self.guard_loss}: stop above that many times the start); lower optimizer.lr, or "
+                    "add warm-up or a penalty"
+                )
 
 
 def _check_fit(parts: Parts, workers: int | None) -> None:
@@ -161,9 +178,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
         server = _server(cfg, parts, flat, spec.workers, sim.trace)
         grads = Gradients(flat, Batches(parts.data, spec.workers, int(cfg.batch_size), int(cfg.seed)))
         bar = _progress(int(cfg.steps), bool(cfg.progress))
-        evaluate = Evaluator(flat, parts.data, sim.trace, int(cfg.eval_every), bar)
-        evaluate(server)
-        sim.run(server, grads, on_update=evaluate)
+        evaluate = Evaluator(flat, parts.data, sim.trace, int(cfg.eval_every), bar, guard_loss=_guard_loss(cfg))
+        with _keep_on_failure(lambda why: _finish(cfg, parts, server, sim.trace, out_dir, extra={"incomplete": why})):
+            evaluate(server)
+            sim.run(server, grads, on_update=evaluate)
         if bar is not None:
             bar.close()
         return _finish(cfg, parts, server, sim.trace, out_dir)
@@ -194,6 +212,7 @@ def _server(
         steps=int(cfg.steps),
         ema_decay=cfg.ema_decay,
         trace=trace,
+        guard=str(cfg.get("guard", "stop")),
     )
 
 
@@ -263,8 +282,9 @@ def _run_allreduce(run: _Launch) -> dict[str, Any] | None:
         grads = reducer.averaged(grads)
     server = _server(cfg, parts, flat, run.workers, trace)
     bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)
-    evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
-    run_allreduce(server, coll, grads, on_update=evaluate if coll.rank == 0 else None, averaged=reducer is not None)
+    evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar, guard_loss=_guard_loss(cfg))
+    with _keep_on_failure(_saver(run, server, trace) if coll.rank == 0 else None):
+        run_allreduce(server, coll, grads, on_update=evaluate if coll.rank == 0 else None, averaged=reducer is not None)
     if bar is not None:
         bar.close()
     result = _finish(cfg, parts, server, trace, run.out_dir) if coll.rank == 0 else None
@@ -291,10 +311,11 @@ def _run_partial(run: _Launch) -> dict[str, Any] | None:
     )
     server = _server(cfg, parts, flat, run.workers, trace)
     bar = _progress(int(cfg.steps), bool(cfg.progress) and rank == 0)
-    evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar)
-    if rank == 0:
-        evaluate(server)
-    run_partial(server, pa, grads, on_update=evaluate if rank == 0 else None)
+    evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar, guard_loss=_guard_loss(cfg))
+    with _keep_on_failure(_saver(run, server, trace) if rank == 0 else None):
+        if rank == 0:
+            evaluate(server)
+        run_partial(server, pa, grads, on_update=evaluate if rank == 0 else None)
     if bar is not None:
         bar.close()
     pa.free()  # collective; no `finally`: after a failure cli._fail aborts the world
@@ -337,19 +358,15 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
                 bar,
                 assemble=assemble if servers > 1 else None,
                 final_later=servers > 1,
+                guard_loss=_guard_loss(cfg),
             )
             evaluate(server)
         model = parts.stragglers
         slow = run.sampler is not None and model.slow_server > 0 and shards.rank == model.slow_shard
-        try:
+        # A worker stopped, hung or died, or training diverged: keep what was trained before the error ends the run.
+        save = (lambda why: _save_incomplete(run, server, trace, shards, evaluate, why)) if shards.rank == 0 else None
+        with _keep_on_failure(save):
             run_server(server, shards.own, on_update=evaluate, publish_delay=model.slow_server * spec.time_scale * slow)
-        except TimeoutError as exc:
-            # A worker stopped, hung or died: keep what was trained before the error ends the run (cli._fail).
-            if shards.rank == 0:
-                _save_incomplete(run, server, trace, shards, evaluate, str(exc))
-            else:
-                time.sleep(_SAVE_GRACE_S)  # rank 0 writes the run folder before this rank's error aborts the world
-            raise
         if shards.rank == 0 and bar is not None:
             bar.close()
         applies = trace.of("apply")
@@ -379,9 +396,32 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
 
 
-# How long a server shard other than rank 0 waits, after its deadline expired, before its error aborts the world:
-# rank 0 (whose deadline expires about as soon) writes the run folder meanwhile.
+# How long a rank other than rank 0 waits, after a deadline or divergence, before its error aborts the world: rank
+# 0 (whose deadline expires about as soon, or which meets the same divergence) writes the run folder meanwhile.
 _SAVE_GRACE_S = 5.0
+
+
+def _guard_loss(cfg: DictConfig) -> float | None:
+    return None if str(cfg.get("guard", "stop")) == "off" else float(cfg.get("guard_loss", 10.0))
+
+
+@contextlib.contextmanager
+def _keep_on_failure(save: Callable[[str], Any] | None) -> Iterator[None]:
+    """A deadline or a divergence ends the run (the error goes on to cli._fail), but first `save(reason)` writes
+    what was trained (on rank 0); without `save` (other ranks), wait while rank 0 writes."""
+    try:
+        yield
+    except (TimeoutError, Diverged) as exc:
+        if save is not None:
+            save(str(exc))
+        else:
+            time.sleep(_SAVE_GRACE_S)
+        raise
+
+
+def _saver(run: _Launch, server: Server, trace: Trace) -> Callable[[str], Any]:
+    """Rank 0's `save` for the serverless runtimes: its replica holds the whole model."""
+    return lambda why: _finish(run.cfg, run.parts, server, trace, run.out_dir, extra={"incomplete": why})
 
 
 def _save_incomplete(

@@ -71,3 +71,19 @@ def test_version_is_collsyncs():
     proc = subprocess.run([*TRAIN, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == f"collsync {collsync.__version__}"
     assert collsync.__version__ not in ("", "0+unknown")
+
+
+def test_divergence_stops_with_one_line_and_keeps_the_run(tmp_path):
+    proc = run_train(tmp_path, *FAST, "optimizer.lr=1e6")
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "guard: the test loss is" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["incomplete"].startswith("guard:") and (tmp_path / "run" / "params.pt").is_file()
+
+
+def test_guard_off_trains_on_through_divergence(tmp_path):
+    proc = run_train(tmp_path, *FAST, "optimizer.lr=1e6", "guard=off")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "incomplete" not in json.loads((tmp_path / "run" / "summary.json").read_text())
