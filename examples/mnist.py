@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument(
         "--lr", type=float, default=0.02, help="per worker; scaled by size() where gradients are averaged"
     )
+    parser.add_argument("--momentum", type=float, default=None, help="default 0.9 (0.7 under ssp)")
     parser.add_argument("--mnist", default=None, help="a folder with MNIST IDX files (default: bundled digits)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -66,10 +67,14 @@ def main() -> None:
     sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed, drop_last=True)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = nn.Sequential(nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, 10))
-    # Scale the step with the workers where gradients are averaged in lockstep; stale ones (async, ssp) are not.
-    averaged = args.sync in ("bsp", "backup", "psp")
-    lr = args.lr * (hvd.size() if averaged else 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    # The step grows with the workers where their gradients are averaged in lockstep (bsp, backup, psp); SSP averages
+    # gradients up to max_lead rounds stale, where sqrt(size) stays stable; async applies every gradient on its own.
+    n = hvd.size()
+    lr = args.lr * {"bsp": n, "backup": n, "psp": n, "ssp": n**0.5}.get(args.sync, 1)
+    # Staleness acts as momentum of its own (Mitliagkas et al., 2016, "Asynchrony begets momentum"): SSP, whose
+    # averaged steps are larger than async's, is stable with less explicit momentum.
+    momentum = args.momentum if args.momentum is not None else (0.7 if args.sync == "ssp" else 0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **options)
