@@ -145,6 +145,29 @@ def _rank_pids(marker: str, rank: int) -> list[int]:
     return pids
 
 
+def _watched(args: list[str], cwd: Path) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
+    """Start a run whose stderr (the progress bar) is collected as it comes."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
+    reader.start()
+    return proc, err, reader
+
+
+def _stop_rank_once_training(proc: subprocess.Popen[str], err: list[str], tmp_path: Path, bar: str) -> list[int]:
+    """Wait until rank 0's progress bar matches `bar` (window creation is collective: stop a rank before it and
+    nobody trains), then SIGSTOP rank 2 (worker 1); returns its pids."""
+    end = time.monotonic() + 120
+    while not re.search(bar, "".join(err[-400:])) and time.monotonic() < end:
+        assert proc.poll() is None, "".join(err)[-2000:]
+        time.sleep(0.02)
+    pids = _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", 2)
+    assert pids, "rank 2 not found"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process through /proc")
 @pytest.mark.parametrize(
     "overrides",
@@ -158,21 +181,9 @@ def _rank_pids(marker: str, rank: int) -> list[int]:
 def test_a_stopped_rank_does_not_stop_training(tmp_path, overrides):
     """SIGSTOP a worker rank for real once training is under way; SIGCONT it later so the run can end cleanly."""
     args = [o for o in command(tmp_path, 4, *overrides) if o != "progress=false"] + ["progress=true"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
-    reader.start()
+    proc, err, reader = _watched(args, tmp_path)
     try:
-        end = time.monotonic() + 120
-        # Rank 0's progress bar says training is under way (window creation is collective: stop a rank before it
-        # and nobody trains).
-        while not re.search(r" ([1-9]\d{2,})/\d+ ", "".join(err[-400:])) and time.monotonic() < end:
-            assert proc.poll() is None, "".join(err)[-2000:]
-            time.sleep(0.02)
-        pids = _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", 2)
-        assert pids, "rank 2 not found"
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)  # worker 1 (rank 2) stops wherever it is
+        pids = _stop_rank_once_training(proc, err, tmp_path, r" ([1-9]\d{2,})/\d+ ")
         time.sleep(5.0)
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
@@ -205,20 +216,10 @@ def test_a_stopped_worker_ends_the_run_by_the_deadline_keeping_what_was_trained(
     """SIGSTOP worker 1 (rank 2) for good: async trains on and fails at the end, BSP stops at once; either way the
     run ends within the deadline naming the rank and its host, and the run folder holds what was trained."""
     args = [o for o in command(tmp_path, 4, *overrides, "sync.deadline=3") if o != "progress=false"]
-    proc = subprocess.Popen(args + ["progress=true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
-    reader.start()
+    proc, err, reader = _watched(args + ["progress=true"], tmp_path)
     pids: list[int] = []
     try:
-        end = time.monotonic() + 120
-        while not re.search(r" ([1-9]\d+)/\d+ ", "".join(err[-400:])) and time.monotonic() < end:
-            assert proc.poll() is None, "".join(err)[-2000:]
-            time.sleep(0.02)
-        pids = _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", 2)
-        assert pids, "rank 2 not found"
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+        pids = _stop_rank_once_training(proc, err, tmp_path, r" ([1-9]\d+)/\d+ ")
         stopped = time.monotonic()
         proc.wait(timeout=120)
         took = time.monotonic() - stopped
