@@ -49,14 +49,22 @@ def rank_prefix(comm: Any) -> str:
     return f"rank {comm.Get_rank()} of {comm.Get_size()} on {socket.gethostname()}"
 
 
-def set_threads(comm: Any) -> int:
-    """Give each rank an equal share of the node's cores for torch's intra-op threads (no oversubscription)."""
-    import torch
+def node_size(comm: Any) -> int:
+    """How many ranks of `comm` share this rank's node (collective)."""
     from mpi4py import MPI
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    threads = max(1, (os.cpu_count() or 1) // local.Get_size())
+    size = local.Get_size()
     local.Free()
+    return size
+
+
+def set_threads(comm: Any, node: int | None = None) -> int:
+    """Give each rank an equal share of the node's cores for torch's intra-op threads (no oversubscription).
+    `node`: the ranks on this node, if the caller counted them already (`node_size`, collective)."""
+    import torch
+
+    threads = max(1, (os.cpu_count() or 1) // (node_size(comm) if node is None else node))
     torch.set_num_threads(threads)
     return threads
 

@@ -32,16 +32,12 @@ class World:
     sync: SyncConfig | None
     backend: str
     cleanups: list[Any] = field(default_factory=list)
-    joiners: list[Any] = field(default_factory=list)  # the live optimizer's join, if it has one
+    joiner: Any = None  # the live optimizer's join, if it has one
     # More ranks on this node than cores: a rank waiting in a blocking collective would spin on a core another rank
     # needs to compute, so waits poll a nonblocking operation with pauses instead.
     oversubscribed: bool = False
     role: str = "worker"
     serve: bool = True  # server ranks serve inside init() (False: the caller drives them, as collsync-train does)
-
-    @property
-    def server_ranks(self) -> list[int]:
-        return list(range(self.servers))
 
 
 _STATE: World | None = None
@@ -116,12 +112,11 @@ def init(
     backend = backend or (config.backend if config is not None else None) or "mpi"
     if backend not in ("mpi", "horovod"):
         raise ValueError(f"collsync.torch.init: backend={backend!r} must be 'mpi' or 'horovod'")
-    from collsync.runtime.mpi_world import set_threads
+    from collsync.runtime.mpi_world import node_size, set_threads
 
-    set_threads(world)  # collective over the whole world: servers included
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    oversubscribed = node.Get_size() > (os.cpu_count() or 1)
-    node.Free()
+    node = node_size(world)  # collective over the whole world: servers included
+    set_threads(world, node)
+    oversubscribed = node > (os.cpu_count() or 1)
     rank = world.Get_rank()
     is_server = rank < servers
     comm_w = world.Split(0 if not is_server else 1, rank)

@@ -481,8 +481,8 @@ def join(device: int = -1) -> int:
     """Horovod's join: this worker has no more batches. See `DistributedOptimizer.join` for what each mode does;
     with no collsync optimizer it is a barrier. Returns the rank that joined last."""
     st = state("join")
-    for hook in st.joiners:
-        return hook()
+    if st.joiner is not None:
+        return st.joiner()
     barrier()
     return int(st.comm.allreduce(st.comm.Get_rank(), op=_max()))
 

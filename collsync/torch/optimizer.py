@@ -41,34 +41,35 @@ _PASSES_MESSAGE = (
 )
 
 
-def _params(optimizer: torch.optim.Optimizer, named_parameters: Any) -> tuple[list[torch.Tensor], list[str]]:
+def _params(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[torch.Tensor]:
+    """The optimizer's trainable parameters; `named_parameters`, when given, must cover them (as Horovod checks)."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if named_parameters is None:
-        return params, [f"param.{i}" for i in range(len(params))]
+        return params
     named = list(named_parameters)
     if any(not isinstance(n, tuple) for n in named):
         raise ValueError("DistributedOptimizer: named_parameters should be a sequence of (name, parameter) tuples")
-    names = {id(p): n for n, p in named}
-    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    names = {id(p) for _, p in named}
+    missing = [p for p in params if id(p) not in names]
     if missing:
         raise ValueError(
             f"DistributedOptimizer: named_parameters was given but misses {len(missing)} of the optimizer's "
             "parameters; pass model.named_parameters() of the model the optimizer was built on"
         )
-    return params, [names[id(p)] for p in params]
+    return params
 
 
 class _Flat:
     """Parameters (and their gradients) of one dtype copied to and from one contiguous buffer."""
 
-    def __init__(self, params: list[torch.Tensor], flag: bool = False) -> None:
+    def __init__(self, params: list[torch.Tensor], flag: bool = False, sparse_as_dense: bool = False) -> None:
         self.params = params
         self.sizes = [p.numel() for p in params]
         dtype = params[0].dtype
         # `flag`: one more element after the gradients, 1 from a worker that steps and 0 from one that joined, so
         # the reduction itself says whether anyone still steps (join without a reduction of its own).
         self.flag = flag
-        self.sparse_as_dense = False
+        self.sparse_as_dense = sparse_as_dense
         self.buf = torch.zeros(sum(self.sizes) + int(flag), dtype=dtype)
 
     def grads(self, active: bool = True) -> torch.Tensor:
@@ -152,9 +153,7 @@ class AllreduceMode:
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             groups.setdefault(p.dtype, []).append(p)
-        self.flats = [_Flat(ps, flag=i == 0) for i, ps in enumerate(groups.values())]
-        for flat in self.flats:
-            flat.sparse_as_dense = sparse_as_dense
+        self.flats = [_Flat(ps, flag=i == 0, sparse_as_dense=sparse_as_dense) for i, ps in enumerate(groups.values())]
         self.counts = {id(p): 0 for p in params}
         self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
         self.synchronized = False
@@ -221,11 +220,11 @@ class PartialMode:
 
     name = "backup"
 
-    def __init__(self, st: World, params: list[torch.Tensor], config: SyncConfig, passes: int) -> None:
+    def __init__(self, st: World, params: list[torch.Tensor], config: SyncConfig) -> None:
         from collsync.loops import check_policy
         from collsync.runtime.mpi_partial import PartialAllreduce
 
-        self.st, self.passes = st, passes
+        self.st = st
         policy = config.policy
         check_policy(policy)
         workers = st.comm.Get_size()
@@ -236,25 +235,19 @@ class PartialMode:
             st.comm, self.flat.buf.numel(), dtype=self.flat.buf.dtype, depth=config.depth, timeout=policy.deadline
         )
         self.round = 0
-        self.contributed = 0
         self.dropped = 0
-        self.synchronized = False
 
     def synchronize(self) -> None:
         result = self.pa.try_read(self.quorum, self.round)
         if result is None:
             result = self.pa(self.flat.grads(), self.quorum, self.round)
-        rank = self.st.comm.Get_rank()
-        self.contributed += rank in result.contributors
-        self.dropped += rank not in result.contributors
+        self.dropped += self.st.comm.Get_rank() not in result.contributors
         self.round += 1
         self.flat.set_grads(result.mean)
-        self.synchronized = True
 
     def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
         if sync:
             self.synchronize()
-        self.synchronized = False
         return base(closure)
 
     def join(self) -> int:
@@ -301,7 +294,6 @@ class ServerMode:
         self.optimizer = optimizer
         self.finished = False
         self.left = False
-        self.synchronized = False
         self._pull()
 
     def _pull(self) -> None:
@@ -314,7 +306,6 @@ class ServerMode:
 
     def synchronize(self) -> None:
         """Nothing to average locally: the gradient goes to the servers at `step()` (clip it in between)."""
-        self.synchronized = True
 
     def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
         from collsync.loops import push
@@ -323,7 +314,6 @@ class ServerMode:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronized = False
         if self.finished:
             return loss
         if [g.get("lr") for g in self.optimizer.param_groups] != self.lrs:
@@ -384,8 +374,8 @@ class _Distributed:
         if mode.close in st.cleanups:
             st.cleanups.remove(mode.close)
             mode.close()
-        if st.joiners and st.joiners[0] == mode.join:
-            st.joiners.clear()
+        if st.joiner == mode.join:
+            st.joiner = None
 
     @property
     def sync_mode(self) -> str:
@@ -442,7 +432,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if sync is None:
         sync = st.sync if st.sync is not None else "bsp"
     config = sync_config(sync, **sync_options)
-    params, _ = _params(optimizer, named_parameters)
+    params = _params(optimizer, named_parameters)
     if not params:
         raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires a gradient")
     mode: Any
@@ -464,7 +454,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
                 "DistributedOptimizer(sync='backup'): the partial allreduce averages plain gradients; "
                 "compression, op and gradient_predivide_factor are for sync='bsp'"
             )
-        mode = PartialMode(st, params, config, backward_passes_per_step)
+        mode = PartialMode(st, params, config)
     else:
         raise ValueError(f"DistributedOptimizer: sync={name!r} has no serverless form; reserve servers at init()")
     cls = type(optimizer)
@@ -472,5 +462,5 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     optimizer._collsync = mode  # type: ignore[attr-defined]
     optimizer._should_synchronize = True  # type: ignore[attr-defined]
     st.cleanups.append(mode.close)
-    st.joiners[:] = [mode.join]
+    st.joiner = mode.join
     return optimizer
