@@ -165,6 +165,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
     """Train as configured; on the rank that holds the server, write the run folder and return the summary."""
     from collsync.data import Batches
 
+    instantiate(cfg.runtime).check_launcher()  # a launch that does not fit the runtime stops here, before any data
     torch.manual_seed(int(cfg.seed))
     parts = build(cfg)
     flat = FlatModel(parts.model)

@@ -6,11 +6,21 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Environment variables through which launchers announce the world size: MPICH's Hydra and `srun --mpi=pmi2` (PMI),
 # Open MPI's mpirun.
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+# Set by a launcher that joins its processes into one MPI world: PMI (MPICH's Hydra, `srun --mpi=pmi2`), PMIx
+# (`srun --mpi=pmix`, Open MPI's launcher), Open MPI's mpirun.
+_WORLD_VARS = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+# A process's rank as each launcher announces it (Slurm's task id last: it holds under every MPI plugin).
+_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+# How long a rank other than 0 waits, when the launch does not fit, for rank 0 to print the error and abort the
+# world (`collsync.cli._fail` aborts after `mpi_world.ABORT_GRACE_S`), before it exits by itself.
+_AWAIT_ABORT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,46 @@ class RuntimeSpec:
             raise ValueError(f"runtime: time_scale={self.time_scale} must be > 0")
         if self.servers < 1:
             raise ValueError(f"runtime: servers={self.servers} must be >= 1")
+
+    def check_launcher(self, env: Mapping[str, str] | None = None) -> None:
+        """Stop before any training when the launcher does not fit this runtime, saying what to pass instead.
+
+        Two launches would otherwise train several independent copies into one run folder and exit 0:
+
+        * `srun -n N` (N > 1) without an MPI plugin (`--mpi=none`, the default of many clusters): every task is a
+          world of one rank. Slurm sets `SLURM_STEP_NUM_TASKS` in each task of a step (not in a batch script's own
+          shell), and a plugin that joins the tasks into one world sets PMI or PMIx variables: N > 1 tasks without
+          them cannot form a world.
+        * `runtime=sim` under a launcher of N > 1 ranks: the simulator runs in one process.
+
+        Only rank 0 raises (ValueError: `collsync-train` prints it as one line, under MPI naming the rank, and aborts
+        the world); the other ranks exit with status 2 without a message, so the line is printed once. In an MPI world
+        they first join MPI's start-up, which MPICH makes collective (rank 0 needs it to abort), and wait for the
+        abort. `env`: the environment to read (default `os.environ`).
+        """
+        env = os.environ if env is None else env
+        rank = next((int(env[v]) for v in _RANK_VARS if env.get(v, "").isdigit()), 0)
+        tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+        ranks = next((int(env[v]) for v in _SIZE_VARS if env.get(v, "").isdigit()), 1)
+        if tasks.isdigit() and int(tasks) > 1 and not any(v in env for v in _WORLD_VARS):
+            if rank != 0:
+                raise SystemExit(2)
+            raise ValueError(
+                f"launcher: srun started SLURM_STEP_NUM_TASKS={tasks} tasks with no MPI plugin (srun --mpi=none), so "
+                f"each would train alone: pass srun --mpi=pmi2 (the mpich wheel; --mpi=pmix for Open MPI), e.g. "
+                f"srun --mpi=pmi2 -n {tasks} .venv/bin/python -m mpi4py -m collsync.cli ..., or -n 1 for the simulator"
+            )
+        if self.kind == "sim" and ranks > 1:
+            if rank != 0:
+                from mpi4py import MPI  # noqa: F401 - joins MPI's start-up, which rank 0's abort of the world needs
+
+                time.sleep(_AWAIT_ABORT_S)
+                raise SystemExit(2)
+            raise ValueError(
+                f"runtime=sim runs the simulator in one process, but the launcher started {ranks} ranks, each of which "
+                f"would train its own copy: pass runtime=mpi (or leave runtime=auto) to train over MPI, or run "
+                f"collsync-train without a launcher (runtime.workers=N sets the simulated workers)"
+            )
 
 
 def launched_under_mpi() -> bool:
