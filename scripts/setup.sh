@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (or update) the project's virtual environment in .venv: collsync in editable mode, the CPU build of torch
-# pinned by constraints.txt, MPI from PyPI (the mpich wheel: mpiexec lands in .venv/bin), and the test tools.
+# pinned by constraints.txt, MPI from PyPI (the mpich wheel: mpiexec lands in .venv/bin), the test tools, and
+# Hydra's submitit launcher (the `slurm` extra: Slurm sweeps, tests/slurm; a few seconds).
 # Idempotent: a second run only checks what is installed. Pass extra pip arguments after the script name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,6 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-echo "collsync setup: installing collsync[mpich,dev] (torch pinned by constraints.txt)"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[mpich,dev]" "$@"
+echo "collsync setup: installing collsync[mpich,dev,slurm] (torch pinned by constraints.txt)"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[mpich,dev,slurm]" "$@"
 .venv/bin/python -c "import torch, mpi4py, collsync; print(f'collsync setup: ok (torch {torch.__version__}, mpi4py {mpi4py.__version__})')"
