@@ -1,8 +1,9 @@
 """What a run's trace says: accuracy over time, staleness, drops, the time to the k-th gradient, Gap vs delay.
 
 Every function here is pure: it reads a `Trace` (see `collsync.trace` for the events) and returns numbers, rows or
-files. The figures live in `collsync.plots`; `write_report` and `report_main` (the `collsync-report` command) tie
-the two together. Times are the trace's `t`: simulated seconds in the simulator, wall seconds under MPI.
+files. The figures live in `collsync.plots`; `write_report` ties the two together for one run, and
+`collsync.report` (the `collsync-report` command) compares runs. Times are the trace's `t`: simulated seconds in
+the simulator, wall seconds under MPI; the summary's `clock` says which ("simulated", "wall", or None when unknown).
 
 Staleness (the delay tau of 001_...) is counted over *applied* gradients, from the `apply` events; dropped
 gradients never reached the parameters.
@@ -10,11 +11,8 @@ gradients never reached the parameters.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
-import os
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +22,18 @@ from collsync.trace import Event, Trace
 
 TraceLike = Trace | Sequence[Event]
 THRESHOLDS: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)
+CLOCKS: tuple[str, ...] = ("simulated", "wall")
+EMA_ONCE = "the EMA was evaluated once, at the end of training: no time to EMA accuracy"
+
+
+def clock_of(trace: TraceLike) -> str | None:
+    """ "simulated" or "wall" for a `Trace` made by a run; None for events alone or a trace read back from a file."""
+    return trace.clock_kind if isinstance(trace, Trace) else None
+
+
+def time_label(clock: str | None) -> str:
+    """The axis label of a time in seconds on `clock`: "simulated time (s)", "wall time (s)", or "time (s)"."""
+    return f"{clock} time (s)" if clock in CLOCKS else "time (s)"
 
 
 def events_of(trace: TraceLike) -> list[Event]:
@@ -47,15 +57,19 @@ def _first_time(evals: list[Event], key: str, threshold: float) -> float | None:
     return next((e["t"] for e in evals if e.get(key) is not None and e[key] >= threshold), None)
 
 
-def summary(trace: TraceLike, thresholds: Sequence[float] = THRESHOLDS) -> dict[str, Any]:
+def summary(trace: TraceLike, thresholds: Sequence[float] = THRESHOLDS, clock: str | None = None) -> dict[str, Any]:
     """The headline numbers of a run (JSON-serialisable; `time_to_acc` is keyed by threshold).
 
+    * `clock`: "simulated" or "wall", what the times are in (`clock`, else the trace's own `clock_kind`);
     * `final_acc`, `final_ema_acc`, `final_loss`: the last `eval` event (theta and its EMA, 000_... §1.1);
       `best_acc`, `best_ema_acc`: the best over all evals;
     * `time_s`: the largest `t` in the trace; `updates`: `apply` events; `updates_per_s` = updates / time_s;
     * `pushed`, `applied`, `dropped` gradients and `dropped_by_reason`;
     * `staleness_mean`, `staleness_max` over applied gradients (`gap_mean` too where apply events carry `gap`);
     * `time_to_acc[a]` (and `time_to_ema_acc[a]`): the time of the first eval with accuracy >= a, None if never.
+      Where the EMA was evaluated only once while theta was evaluated more often (server shards assemble the EMA
+      only at the end), `time_to_ema_acc` is None and `ema_note` says why: that one point would give the final
+      time for every threshold reached, which is not when the EMA got there.
     """
     events = events_of(trace)
     evals = _of(events, "eval")
@@ -67,8 +81,15 @@ def summary(trace: TraceLike, thresholds: Sequence[float] = THRESHOLDS) -> dict[
     gaps = [g for e in applies for g in e.get("gap") or () if g is not None]
     time_s = max((e["t"] for e in events), default=0.0)
     workers = {e["worker"] for e in events if e["ev"] in ("start", "push")}
+    ema_once = len(ema_accs) == 1 and len(accs) > 1
+    if clock is None:
+        clock = clock_of(trace)
+    if clock is not None and clock not in CLOCKS:
+        raise ValueError(f"summary: clock={clock!r} must be one of {', '.join(CLOCKS)}")
     return {
+        "clock": clock,
         "evals": len(evals),
+        "ema_evals": len(ema_accs),
         "final_acc": last.get("acc"),
         "final_ema_acc": last.get("ema_acc"),
         "final_loss": last.get("loss"),
@@ -95,7 +116,8 @@ def summary(trace: TraceLike, thresholds: Sequence[float] = THRESHOLDS) -> dict[
         "staleness_max": max(staleness, default=None),
         "gap_mean": _mean(gaps),
         "time_to_acc": {a: _first_time(evals, "acc", a) for a in thresholds},
-        "time_to_ema_acc": {a: _first_time(evals, "ema_acc", a) for a in thresholds},
+        "time_to_ema_acc": None if ema_once else {a: _first_time(evals, "ema_acc", a) for a in thresholds},
+        **({"ema_note": EMA_ONCE} if ema_once else {}),
     }
 
 
@@ -104,10 +126,12 @@ def _num(value: Any, spec: str = ".4f") -> str:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    """A few aligned lines for the terminal (works on `summary()` and on a summary.json read back). The trace is
-    rank 0's; with server shards, a last line gives every shard's updates and drops."""
+    """A few aligned lines for the terminal (works on `summary()` and on a summary.json read back). The time line
+    says whether its seconds are simulated or wall time (the time-to-accuracy line is on the same clock). The trace
+    is rank 0's; with server shards, a last line gives every shard's updates and drops."""
     reasons = ", ".join(f"{k} {v}" for k, v in sorted((s.get("dropped_by_reason") or {}).items()))
     gap = f"  gap mean {_num(s['gap_mean'], '.3f')}" if s.get("gap_mean") is not None else ""
+    clock = f" {s['clock']}" if s.get("clock") in CLOCKS else ""
     reached = "  ".join(
         f"{float(a):g}: {'never' if t is None else f'{t:.2f} s'}" for a, t in (s.get("time_to_acc") or {}).items()
     )
@@ -117,12 +141,14 @@ def format_summary(s: dict[str, Any]) -> str:
         + [
             f"accuracy     theta {_num(s['final_acc'])}  EMA {_num(s['final_ema_acc'])}  "
             f"best {_num(s['best_acc'])} (EMA {_num(s['best_ema_acc'])})",
-            f"time         {s['time_s']:.2f} s  {s['updates']} updates  {_num(s['updates_per_s'], '.2f')} updates/s",
+            f"time         {s['time_s']:.2f} s{clock}  {s['updates']} updates  "
+            f"{_num(s['updates_per_s'], '.2f')} updates/s",
             f"gradients    pushed {s['pushed']}  applied {s['applied']}  dropped {s['dropped']}"
             + (f" ({reasons})" if reasons else ""),
             f"staleness    mean {_num(s['staleness_mean'], '.3f')}  max {_num(s['staleness_max'], 'd')}{gap}",
             f"time to acc  {reached or '-'}",
         ]
+        + ([f"EMA          {s['ema_note']}"] if s.get("ema_note") else [])
         + (
             [f"bandwidth    pushes {_num(s['push_ratio'])} of possible, fetches {_num(s['fetch_ratio'])}"]
             if (s.get("push_ratio") or 1.0) < 1.0 or (s.get("fetch_ratio") or 1.0) < 1.0
@@ -283,97 +309,34 @@ def gap_vs_delay(trace: TraceLike, buckets: int = 20) -> list[dict[str, Any]]:
     ]
 
 
-def write_report(trace: TraceLike, out_dir: str | Path, extra: dict[str, Any] | None = None) -> dict[str, Path]:
+def write_report(
+    trace: TraceLike, out_dir: str | Path, extra: dict[str, Any] | None = None, clock: str | None = None
+) -> dict[str, Path]:
     """Write metrics.csv, summary.json (with `extra` merged in) and the figures into `out_dir`; return their paths,
-    keyed by file stem. kth_gradient_cdf.png only for round policies, gap_vs_delay.png only with Gap data."""
+    keyed by file stem. kth_gradient_cdf.png only for round policies, gap_vs_delay.png only with Gap data.
+
+    `clock` ("simulated" or "wall") is what the trace's times are in; by default the trace's own `clock_kind`.
+    It goes into summary.json as `clock`, which is how a later report tells simulated from wall seconds: the
+    config cannot always say (`runtime=auto` is the simulator or MPI depending on how the run was launched).
+    """
     from collsync import plots  # matplotlib is imported only when figures are drawn
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     events = events_of(trace)
+    clock = clock or clock_of(trace)
     rows = metrics_rows(events)
     paths = {"metrics": write_csv(rows, out / "metrics.csv"), "summary": out / "summary.json"}
-    paths["summary"].write_text(json.dumps({**summary(events), **(extra or {})}, indent=2, default=str) + "\n")
-    paths["accuracy_vs_time"] = plots.plot_accuracy(rows, out / "accuracy_vs_time.png", x="time")
+    result = {**summary(events, clock=clock), **(extra or {})}
+    paths["summary"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    paths["accuracy_vs_time"] = plots.plot_accuracy(rows, out / "accuracy_vs_time.png", x="time", clock=clock)
     paths["accuracy_vs_steps"] = plots.plot_accuracy(rows, out / "accuracy_vs_steps.png", x="steps")
     paths["staleness_hist"] = plots.plot_staleness(events, out / "staleness_hist.png")
     if kth_gradient_times(events):
-        paths["kth_gradient_cdf"] = plots.plot_kth_cdf(events, out / "kth_gradient_cdf.png")
+        paths["kth_gradient_cdf"] = plots.plot_kth_cdf(events, out / "kth_gradient_cdf.png", clock=clock)
     if gap_vs_delay(events):
         paths["gap_vs_delay"] = plots.plot_gap_vs_delay(events, out / "gap_vs_delay.png")
     return paths
-
-
-def _kept_summary_keys(run_dir: Path) -> dict[str, Any]:
-    """Keys of an existing summary.json that `summary()` does not compute (e.g. the trainer's trace checks)."""
-    try:
-        old = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    fresh = summary([])
-    return {k: v for k, v in old.items() if k not in fresh} if isinstance(old, dict) else {}
-
-
-def run_names(runs: Sequence[Path]) -> list[str]:
-    """Distinct short names for run folders: the folder name, or parent_name where two folders share a name."""
-    names = [r.resolve().name for r in runs]
-    clash = {n for n in names if names.count(n) > 1}
-    return [f"{r.resolve().parent.name}_{n}" if n in clash else n for r, n in zip(runs, names, strict=True)]
-
-
-def run_labels(runs: Sequence[Path]) -> list[str]:
-    """Legend labels for run folders: `run_names`, plus the Hydra overrides of a numbered multirun job (its
-    .hydra/overrides.yaml), since its folder name alone (0, 1, ...) says nothing."""
-    labels = []
-    for run, name in zip(runs, run_names(runs), strict=True):
-        overrides: Any = None
-        if run.resolve().name.isdigit() and (run / ".hydra" / "overrides.yaml").is_file():
-            import yaml  # installed with hydra-core
-
-            try:
-                overrides = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
-            except (OSError, yaml.YAMLError):
-                overrides = None
-        ok = isinstance(overrides, list) and overrides
-        labels.append(f"{name}: {' '.join(map(str, overrides))}" if ok else name)
-    return labels
-
-
-def report_main(argv: list[str] | None = None) -> int:
-    """`collsync-report RUN_DIR [RUN_DIR ...] [--out DIR]`: re-render each run's report from its trace.jsonl and
-    print its summary; with several runs, also overlay their accuracy curves (compare_accuracy_vs_{time,steps}.png).
-
-    Without --out, each report goes back into its run folder and the comparison into the runs' common parent; with
-    --out, one run's report goes into DIR, several into DIR/<run name>/ with the comparison in DIR.
-    """
-    parser = argparse.ArgumentParser(
-        prog="collsync-report", description="Re-render run reports from trace.jsonl; compare several runs."
-    )
-    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folder holding trace.jsonl")
-    parser.add_argument("--out", type=Path, default=None, metavar="DIR", help="where to write (default: in place)")
-    args = parser.parse_args(argv)
-    runs: list[Path] = args.runs
-    for run in runs:
-        if not (run / "trace.jsonl").is_file():
-            print(f"collsync-report: error: no trace.jsonl in {run}", file=sys.stderr)
-            return 2
-    from collsync.plots import compare_runs
-
-    for run, name, label in zip(runs, run_names(runs), run_labels(runs), strict=True):
-        out = run if args.out is None else args.out if len(runs) == 1 else args.out / name
-        try:
-            trace = Trace.read_jsonl(run / "trace.jsonl")
-            write_report(trace, out, extra=_kept_summary_keys(run))
-        except (ValueError, KeyError) as exc:
-            print(f"collsync-report: error: {run / 'trace.jsonl'} is not a valid trace: {exc!r}", file=sys.stderr)
-            return 2
-        print(f"== {label}  ->  {out}")
-        print(format_summary(summary(trace)))
-    if len(runs) > 1:
-        where = args.out or Path(os.path.commonpath([r.resolve() for r in runs]))
-        for x in ("time", "steps"):
-            print(f"comparison: {compare_runs(runs, where / f'compare_accuracy_vs_{x}.png', x=x)}")
-    return 0
 
 
 def _ratio(made: int, possible: int) -> float | None:

@@ -21,11 +21,17 @@ Event = dict[str, Any]
 
 
 class Trace:
-    """An append-only list of events stamped by a clock (simulated time in the simulator, wall time for real)."""
+    """An append-only list of events stamped by a clock (simulated time in the simulator, wall time for real).
+
+    `clock_kind` says which, so reports never put the two on one axis: "wall" for the default clock (seconds since
+    the trace was made), "simulated" when a clock is given (the simulator's virtual clock), None for a trace read
+    back from a file (the file does not say; the run folder's summary.json does).
+    """
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
         start = time.perf_counter()
         self.clock: Callable[[], float] = clock or (lambda: time.perf_counter() - start)
+        self.clock_kind: str | None = "wall" if clock is None else "simulated"
         self.events: list[Event] = []
 
     def record(self, ev: str, **fields: Any) -> Event:
@@ -47,6 +53,7 @@ class Trace:
     @classmethod
     def read_jsonl(cls, path: str | Path) -> Trace:
         trace = cls()
+        trace.clock_kind = None
         with open(path) as f:
             trace.events = [json.loads(line) for line in f if line.strip()]
         return trace

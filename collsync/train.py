@@ -495,6 +495,12 @@ def _finish(
     extra = {"trace_checks": counts, **(extra or {})}
     write_report(trace, out_dir, extra=extra)
     result = {**summary(trace), **extra}
-    print(format_summary(result))
-    print(f"run folder: {out_dir}")
+    # Through logging, line by line: under Hydra its handlers show each line on the console and keep it in the run
+    # folder's collsync.log, so the log a run leaves (e.g. a Slurm job's) holds its summary and where it went.
+    import logging
+
+    log = logging.getLogger(__name__)
+    for line in format_summary(result).splitlines():
+        log.info(line)
+    log.info("run folder: %s", out_dir)
     return result

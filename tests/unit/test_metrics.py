@@ -18,9 +18,6 @@ from collsync.metrics import (
     kth_cdf,
     kth_gradient_times,
     metrics_rows,
-    report_main,
-    run_labels,
-    run_names,
     staleness_histogram,
     staleness_per_worker,
     summary,
@@ -28,6 +25,8 @@ from collsync.metrics import (
     write_report,
 )
 from collsync.policy import asynchronous, backup, ssp
+from collsync.report import main as report_main
+from collsync.report import run_names
 from collsync.trace import Trace
 
 
@@ -126,6 +125,39 @@ def test_summary_counts_and_time_to_accuracy(backup_trace):
     assert s["staleness_mean"] == 0.0 and s["staleness_max"] == 0 and s["gap_mean"] is None
     assert s["time_to_acc"] == {0.5: 1.5, 0.9: 3.5, 0.95: None}
     assert s["time_to_ema_acc"] == {0.5: 1.5, 0.9: None, 0.95: None}
+
+
+def test_summary_says_which_clock(backup_trace):
+    assert summary(backup_trace)["clock"] == "simulated"  # a trace on a given clock: the simulator's
+    assert summary(Trace())["clock"] == "wall"
+    assert (
+        summary(backup_trace.events)["clock"] is None and summary(backup_trace.events, clock="wall")["clock"] == "wall"
+    )
+    assert format_summary(summary(backup_trace)).splitlines()[1].startswith("time         3.50 s simulated  2 updates")
+    assert format_summary(summary(Trace())).splitlines()[1].startswith("time         0.00 s wall  0 updates")
+    assert format_summary(summary(backup_trace.events)).splitlines()[1].startswith("time         3.50 s  2 updates")
+    with pytest.raises(ValueError, match="clock='cpu'"):
+        summary(backup_trace, clock="cpu")
+
+
+def test_ema_evaluated_once_gives_no_time_to_ema_accuracy(backup_trace):
+    """With server shards the EMA is assembled only at the end: one point, which must not pass for the time at
+    which every threshold was reached."""
+    once = build(
+        *[(e["t"], e["ev"], {k: v for k, v in e.items() if k not in ("t", "ev")}) for e in backup_trace.events]
+    )
+    for e in once.of("eval")[:-1]:
+        del e["ema_acc"]
+    s = summary(once, thresholds=(0.5, 0.9))
+    assert s["time_to_acc"] == {0.5: 1.5, 0.9: 3.5}
+    assert s["time_to_ema_acc"] is None and s["ema_evals"] == 1 and "once" in s["ema_note"]
+    assert s["final_ema_acc"] == 0.8
+    assert format_summary(s).splitlines()[-1].startswith("EMA          the EMA was evaluated once")
+    assert summary(backup_trace)["ema_evals"] == 3 and summary(backup_trace)["time_to_ema_acc"] is not None
+    assert "ema_note" not in summary(backup_trace)
+    figure = plots.accuracy_figure(once, x="steps")
+    labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert labels == ["θ (parameters)", "EMA of θ (evaluated at the end only)"]
 
 
 def test_summary_of_empty_trace_and_format():
@@ -250,6 +282,23 @@ def test_write_report_files(backup_trace, async_trace, tmp_path):
     assert json.loads(paths["summary"].read_text())["note"] == "x"
 
 
+def test_staleness_histogram_has_integer_ticks(backup_trace, async_trace):
+    """A synchronous run's histogram is one bar at 0: its ticks must still be whole updates (not -0.4 .. 0.4)."""
+    for trace, bars in ((backup_trace, [0]), (async_trace, [0, 1, 3])):
+        ax = plots.staleness_figure(trace).axes[0]
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        assert set(bars) <= set(ticks)  # every bar sits on a labelled tick
+        assert ax.get_xlabel() == "staleness τ (server updates)"
+
+
+def test_accuracy_axis_names_the_clock(backup_trace):
+    assert plots.accuracy_figure(backup_trace).axes[0].get_xlabel() == "simulated time (s)"
+    assert plots.accuracy_figure(metrics_rows(backup_trace), clock="wall").axes[0].get_xlabel() == "wall time (s)"
+    assert plots.accuracy_figure(metrics_rows(backup_trace)).axes[0].get_xlabel() == "time (s)"
+    assert plots.accuracy_figure(backup_trace, x="steps").axes[0].get_xlabel() == "server updates (version)"
+
+
 def test_plots_accept_rows_and_empty_traces(backup_trace, tmp_path):
     _decodes(plots.plot_accuracy(metrics_rows(backup_trace), tmp_path / "rows.png", x="steps"))
     _decodes(plots.plot_kth_cdf(backup_trace, tmp_path / "k.png", ks=[1, 3]))
@@ -278,39 +327,8 @@ def test_report_cli_one_run_keeps_trainer_keys(backup_trace, tmp_path, capsys):
         assert (run / name).stat().st_size > 0
 
 
-def test_report_cli_compares_runs(backup_trace, async_trace, tmp_path, capsys):
-    a = _run_dir(tmp_path / "sweep" / "0", backup_trace)
-    (a / ".hydra").mkdir()
-    (a / ".hydra" / "overrides.yaml").write_text("- sync=backup\n- seed=1\n")
-    b = _run_dir(tmp_path / "sweep" / "async", async_trace)
-    assert run_labels([a, b]) == ["0: sync=backup seed=1", "async"]
-    out = tmp_path / "out"
-    assert report_main([str(a), str(b), "--out", str(out)]) == 0
-    for x in ("time", "steps"):
-        _decodes(out / f"compare_accuracy_vs_{x}.png")
-    assert (out / "0" / "summary.json").is_file() and (out / "async" / "gap_vs_delay.png").is_file()
-    assert not (a / "summary.json").exists()  # --out leaves the run folders alone
-    assert capsys.readouterr().out.count("accuracy     theta") == 2
-    assert report_main([str(a), str(b)]) == 0  # in place; comparison in the common parent
-    assert (tmp_path / "sweep" / "compare_accuracy_vs_time.png").is_file() and (b / "metrics.csv").is_file()
-
-
 def test_run_names_disambiguate(tmp_path):
     assert run_names([tmp_path / "x" / "0", tmp_path / "y" / "0", tmp_path / "z"]) == ["x_0", "y_0", "z"]
-
-
-def test_report_cli_missing_trace(backup_trace, tmp_path, capsys):
-    good = _run_dir(tmp_path / "good", backup_trace)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert report_main([str(good), str(empty)]) == 2
-    err = capsys.readouterr().err
-    assert err == f"collsync-report: error: no trace.jsonl in {empty}\n"
-    assert not (good / "summary.json").exists()  # checked before anything is written
-    (empty / "trace.jsonl").write_text("{not json\n")
-    assert report_main([str(empty)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("collsync-report: error:") and str(empty / "trace.jsonl") in err and "\n" not in err
 
 
 def test_format_summary_adds_a_line_for_server_shards(async_trace):
