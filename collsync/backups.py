@@ -162,9 +162,11 @@ def format_predictions(predictions: Sequence[Prediction], clock: str | None, rou
         lines.append(
             f"{p.backups:>3} {p.quorum:>4} {p.round_s:>11.4f} {p.gradients_per_s:>12.3f} {p.nth_arrival_s:>18.4f}{mark}"
         )
-    lines.append(
-        f"recommended: sync=backup sync.backups={best.backups} (wait for N={best.quorum} of {workers}): the most "
-        "applied gradients per second, so the least time to converge if the rounds needed fall as 1/N (000_... Fig. "
-        "5-6); round time replays each worker's measured arrivals with late batches finishing, as collsync runs them"
-    )
+    lines += [
+        f"recommended: sync=backup sync.backups={best.backups} (wait for N={best.quorum} of {workers})",
+        "  the most applied gradients per second: the least time to converge if the rounds needed fall as 1/N "
+        "(000_... Fig. 5-6)",
+        "  round time: each worker's measured arrivals replayed, late batches finishing (as collsync runs them)",
+        "  mean N-th arrival: over the measured rounds, what a round would take if late batches were cancelled",
+    ]
     return "\n".join(lines)

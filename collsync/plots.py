@@ -217,15 +217,15 @@ def comparison_figure(curves: Sequence[Curve], x: str = "time", title: str = "")
 
     One colour per group; the seeds of a group are thin lines of its colour, so the legend has one entry per group
     ("sync=async (3 seeds)") however many runs there are, and sits below the axes once it has more than four
-    entries. Against time there is one panel per clock, its unit in the axis label ("simulated time (s)", "wall
-    time (s)"). `title` (e.g. the overrides every run shares) goes under the main title.
+    entries or there are several panels. Against time there is one panel per clock, its unit in the axis label
+    ("simulated time (s)", "wall time (s)"). `title` (e.g. the overrides every run shares) goes under the main title.
     """
     _check_x(x)
     if not curves:
         raise ValueError("compare_accuracy: no runs to compare")
     panels = _panels(curves, x)
     groups = list(dict.fromkeys(c.group for c in curves))
-    below = len(groups) > 4
+    below = len(groups) > 4 or len(panels) > 1  # below the axes: over one panel it would hide curves, or name others'
     height = 4.2 + (0.22 * math.ceil(len(groups) / 2) if below else 0.0)
     fig = Figure(figsize=(6.4 * len(panels), height), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
@@ -240,7 +240,8 @@ def comparison_figure(curves: Sequence[Curve], x: str = "time", title: str = "")
             ax.plot(xs, ys, "-", color=colour[curve.group], lw=1.0 if many else 1.6, alpha=0.75 if many else 1.0)
         ax.set(xlabel=_x_label(x, clock), ylabel="test accuracy of θ (fraction correct)")
         if len(panels) > 1:
-            ax.set_title(f"{clock or 'unrecorded clock'}: {len(members)} run(s)", fontsize="medium")
+            runs = f"{len(members)} run{'s' if len(members) > 1 else ''}"
+            ax.set_title(f"{clock + ' time' if clock else 'clock not recorded'}: {runs}", fontsize="medium")
     handles = [
         Line2D([], [], color=colour[g], lw=1.6, label=f"{g} ({seeds[g]} seeds)" if seeds[g] > 1 else g) for g in groups
     ]

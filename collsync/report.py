@@ -283,7 +283,7 @@ def _write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def compare(runs: Sequence[Run], out: Path, common: str = "") -> dict[str, Path]:
-    """Write the comparison of labelled `runs` into `out`: compare_accuracy_vs_{time,steps}.png, table.md and
+    """Write the comparison of labelled `runs` into `out`: accuracy_vs_{time,steps}.png, table.md and
     table.csv (one row per group), runs.csv (one per run); return their paths by stem."""
     from collsync.plots import Curve, compare_accuracy
 
@@ -291,8 +291,7 @@ def compare(runs: Sequence[Run], out: Path, common: str = "") -> dict[str, Path]
     curves = [Curve(r.label, r.group, r.clock, metrics_rows(r.trace)) for r in runs]
     title = f"all runs: {common}" if common else ""
     paths = {
-        f"compare_accuracy_vs_{x}": compare_accuracy(curves, out / f"compare_accuracy_vs_{x}.png", x, title)
-        for x in ("time", "steps")
+        f"accuracy_vs_{x}": compare_accuracy(curves, out / f"accuracy_vs_{x}.png", x, title) for x in ("time", "steps")
     }
     table = group_table(runs)
     header = f"# {len(runs)} runs" + (f" ({common})" if common else "") + "\n\n"
@@ -366,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             out = run.path if args.out is None else args.out if len(runs) == 1 else args.out / name
             write_report(run.trace, out, extra=_kept_summary_keys(run.path), clock=run.clock)
             print(f"== {run.label}  ->  {out}")
-        else:
-            print(f"== {run.label}  ({run.path})")
-        print(format_summary(run.summary))
+            print(format_summary(run.summary))
+        else:  # the table below has the numbers; one line per run says which folder is which
+            print(f"{run.label:<40} {run.path}")
     if len(runs) > 1:
         where = args.out or _default_out(args.paths, runs)
         paths = compare(runs, where, common)
