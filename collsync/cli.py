@@ -1,44 +1,115 @@
 """The `collsync-train` entry point (Hydra); `collsync-report` lives in `collsync.metrics.report_main`.
 
-Errors in the user's input end the run with one line on stderr and exit status 2; under MPI the line names the
-rank and the whole world is aborted rather than left hanging.
+Errors in the user's input end the run with one line on stderr and exit status 2: Hydra's own (an unknown key or
+option, an override that does not parse), the schema's (`collsync.schema`: a value of the wrong type), the
+factories' (a value out of range), the data files', the run folder's, and those of a launch that cannot work.
+Under MPI the line names the rank, is printed once (by rank 0 when every rank meets the same error) and the whole
+world is aborted rather than left hanging. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
+from hydra.errors import HydraException, InstantiationException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf import errors as oc_errors
 
 CONF_DIR = str(files("collsync.conf"))
 
+# How long a rank other than 0 waits before printing a user error under MPI: when every rank meets the same error
+# (a bad config), rank 0 prints it and aborts the world meanwhile, so the line appears once; an error of this rank
+# alone is printed after the wait.
+_PRINT_GRACE_S = 3.0
+# Set by launchers to a process's rank (MPICH's Hydra and srun's PMI, PMIx, Open MPI).
+_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
 
-def _user_error(exc: BaseException) -> str | None:
-    """The message of a user-input error (unwrapping Hydra's instantiation wrapper), or None for a bug."""
+
+def user_error(exc: BaseException) -> str | None:
+    """The one-line message of an error in the user's input (config, data, run folder, launch), or None for a bug.
+
+    Shared by `collsync-train` and the tests that compose configs in-process, so both sort errors the same way.
+    """
+    from collsync.rundir import RunFolderError, describe
+    from collsync.sim import Deadlock
+
     while isinstance(exc, InstantiationException) and exc.__cause__ is not None:
         exc = exc.__cause__
-    if isinstance(exc, InstantiationException):
-        return str(exc).splitlines()[-1]
-    if isinstance(exc, (ValueError, FileNotFoundError, oc_errors.OmegaConfBaseException, TimeoutError)):
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
+        return _missing_option(exc)
+    if isinstance(exc, OverrideParseException):
+        detail = exc.message.splitlines()[0] if exc.message else "does not parse"
+        return f"{exc.override}: {detail} (Hydra's override grammar: key=value, group=option, +key=value)"
+    if isinstance(exc, RunFolderError):
         return str(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return describe(exc)
+    if isinstance(exc, oc_errors.OmegaConfBaseException):
+        return _omegaconf_error(exc)
+    unknown = re.match(r"Could not override '([^']+)'\.\s+To append to your config use \+(\S+)", str(exc))
+    if isinstance(exc, HydraException) and unknown:
+        return f"{unknown[2]}: {unknown[1]!r} is not a key of the config (to add a new key anyway: +{unknown[2]})"
+    if isinstance(exc, (HydraException, ValueError, FileNotFoundError, TimeoutError, Deadlock)):
+        cause = exc.__cause__
+        text = str(exc)
+        if isinstance(exc, HydraException) and isinstance(cause, oc_errors.OmegaConfBaseException):
+            text = f"{text} {_omegaconf_error(cause)}"
+        return _one_line(text)
     return None
+
+
+def _one_line(text: str) -> str:
+    """Join a multi-line message into one line (dropping blank lines)."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _missing_option(exc: MissingConfigException) -> str:
+    """`sync=nope`: Hydra says "Could not find 'sync/nope'" and lists the options; say it as the user typed it."""
+    group, _, option = str(exc.missing_cfg_file).rpartition("/")
+    if not group:
+        return _one_line(str(exc).split("Config search path:")[0])
+    options = ", ".join(exc.options or [])
+    return f"{group}={option}: no such option of {group}" + (f" (options: {options})" if options else "")
+
+
+def _omegaconf_error(exc: oc_errors.OmegaConfBaseException) -> str:
+    """OmegaConf's message without its `full_key:` / `object_type=` lines, the key named in front."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type=")))
+    key = getattr(exc, "full_key", None)
+    return f"{key}: {text}" if key and str(key) not in text else text
+
+
+def execute(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
+    """What `collsync-train` does with a composed config: probe the run folder, then train (`collsync.train.run`,
+    which checks the config against its schema before it builds anything)."""
+    from collsync import rundir, schema
+    from collsync.train import run
+
+    schema.check(cfg)  # first: `run` reads top-level keys (the seed) before it builds the parts
+    rundir.probe(out_dir)
+    return run(cfg, out_dir)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _train(cfg: DictConfig) -> float | None:
-    from collsync.train import run
+    from collsync import checkpoint
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    checkpoint.install()  # SIGTERM / SIGINT / SIGUSR1: checkpoint, write the run folder, exit 128 + the signal
     try:
-        result = run(cfg, out_dir)
+        result = execute(cfg, out_dir)
+    except checkpoint.Preempted as exc:
+        _fail(str(exc), code=exc.code, what="")
     except Exception as exc:  # noqa: BLE001 - sorted into user errors and bugs just below
-        message = _user_error(exc)
+        message = user_error(exc)
         if message is None:
             raise
         _fail(message)
@@ -46,20 +117,67 @@ def _train(cfg: DictConfig) -> float | None:
     return None if result is None else 1.0 - float(result.get("final_acc") or 0.0)
 
 
-def _fail(message: str) -> None:
-    """One line on stderr, exit status 2; under MPI the line names the rank and the world is aborted (a rank that
-    failed alone would otherwise leave the others waiting forever)."""
+def _close_progress_bars() -> None:
+    """Clear any progress bar still drawn, so that an error line starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is None:
+        return
+    bars = list(getattr(tqdm.tqdm, "_instances", ()))
+    for bar in bars:
+        bar.close()  # a bar that is not kept (leave=False) clears its line and returns to its start
+    if bars and not sys.stderr.isatty():
+        # In a log file the cleared bar is still text on the line: start the error on the next one.
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _fail(message: str, code: int = 2, what: str = "error") -> None:
+    """One line on stderr, exit status `code`; under MPI the line names the rank and the world is aborted (a rank
+    that failed alone would otherwise leave the others waiting forever). A stop asked for by a signal is no error
+    (`what=""`) and exits 128 + the signal's number, as a shell reports a process a signal ended."""
     from collsync.runtime.spec import launched_under_mpi
 
+    _close_progress_bars()
     if not launched_under_mpi():
-        print(f"collsync-train: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        print(f"collsync-train: {what + ': ' if what else ''}{message}", file=sys.stderr, flush=True)
+        sys.exit(code)
+    import time
+
     from mpi4py import MPI
 
     from collsync.runtime.mpi_world import abort, rank_prefix
 
-    print(f"collsync-train: {rank_prefix(MPI.COMM_WORLD)}: error: {message}", file=sys.stderr, flush=True)
-    abort(MPI.COMM_WORLD, 2)
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        time.sleep(_PRINT_GRACE_S)  # rank 0 prints the error all ranks meet, and aborts the world meanwhile
+    # A newline first: another rank's progress bar may hold the launcher's merged stream mid-line.
+    print(
+        f"\ncollsync-train: {rank_prefix(MPI.COMM_WORLD)}: {what + ': ' if what else ''}{message}",
+        file=sys.stderr,
+        flush=True,
+    )
+    abort(MPI.COMM_WORLD, code)
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher announced it (0 without a launcher)."""
+    return next((int(os.environ[v]) for v in _RANK_VARS if os.environ.get(v, "").isdigit()), 0)
+
+
+def _check_world() -> None:
+    """Under a launcher, stop at once when MPI's world is not the launcher's (another MPI's mpiexec started this
+    python: every rank is a world of its own). The launcher's rank 0 prints one line; the others exit quietly."""
+    from collsync.runtime.spec import launched_under_mpi
+
+    if not launched_under_mpi():
+        return
+    from collsync.runtime.mpi_world import world
+
+    try:
+        world()
+    except RuntimeError as exc:  # check_world_size's mismatch: MPI itself is up, but each rank is alone in it
+        if _launcher_rank() == 0:
+            print(f"collsync-train: rank 0: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _shared_run_dir() -> None:
@@ -76,6 +194,16 @@ def _shared_run_dir() -> None:
     sys.argv.append(f"hydra.run.dir=outputs/{stamp}")
 
 
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError on a path that caused `exc` (itself included), or None."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.filename is not None and not isinstance(seen, HydraException):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def train() -> None:
     """`collsync-train [overrides...]`: see `collsync-train --help` and `conf/`."""
     if "--version" in sys.argv[1:]:
@@ -83,8 +211,32 @@ def train() -> None:
 
         print(f"collsync {__version__}")
         return
+    _check_world()
     _shared_run_dir()
-    _train()
+    # Hydra prints its own errors (an unknown key, a missing option, a run folder it cannot create) over several
+    # lines and exits 1; with HYDRA_FULL_ERROR it raises them instead, and they are printed here as one line. A user
+    # who set HYDRA_FULL_ERROR gets Hydra's full report.
+    full_error = os.environ.get("HYDRA_FULL_ERROR")
+    if full_error is not None:
+        _train()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _train()
+    except Exception as exc:  # noqa: BLE001 - sorted into user errors and bugs just below
+        cause = _os_error_in(exc)
+        if cause is not None:
+            # Before the task runs, Hydra creates the run folder, writes its .hydra/ files there and opens the log
+            # file (logging wraps that error in a ValueError).
+            from collsync.rundir import describe
+
+            _fail(f"the run folder cannot be written: {describe(cause)}")
+        message = user_error(exc)
+        if message is None:
+            raise
+        _fail(message)
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,12 @@ def _dataset(
 ) -> Dataset:
     """Check labels and lengths, convert to torch. `classes` defaults to the largest label + 1."""
     for part, x, y in (("train", xtr, ytr), ("test", xte, yte)):
+        # Shapes and dtypes first: numpy's own errors on a 0-d array or text data name neither the file nor the split.
+        if x.ndim < 1 or y.ndim < 1:
+            raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have one row per sample")
+        for what, a in (("features", x), ("labels", y)):
+            if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+                raise ValueError(f"{name}: {part} {what} must be numbers (got dtype {a.dtype})")
         if y.ndim != 1 or len(x) != len(y):
             raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have the same rows")
         if len(y) == 0:
@@ -147,17 +153,41 @@ def npz(path: str, flatten: bool = True) -> Dataset:
     0..classes-1, and `classes` is the largest label + 1. Write one with `np.savez(path, x_train=..., ...)`.
     """
     file = _exists("npz", Path(path))
+    where = f"npz: path={str(file)!r}"
+    if file.is_dir():
+        raise ValueError(f"{where} is a folder, not an .npz archive of {list(NPZ_KEYS)}")
+    # Look at the first bytes before numpy does: on anything but a zip or .npy it suggests unpickling the file.
+    try:
+        with open(file, "rb") as f:
+            head = f.read(6)
+    except OSError as e:
+        raise ValueError(f"{where} cannot be read ({e.strerror})") from e
+    if not head:
+        raise ValueError(f"{where} is empty (0 bytes), not an .npz archive of {list(NPZ_KEYS)}")
+    if not head.startswith((b"PK", b"\x93NUMPY")):
+        raise ValueError(
+            f"{where} is not a readable .npz archive (a zip of {list(NPZ_KEYS)} written by np.savez): it starts "
+            f"with {head!r}"
+        )
     try:
         arrays = np.load(file, allow_pickle=False)  # never unpickle a user's file
-    except (OSError, ValueError, zipfile.BadZipFile) as e:
-        raise ValueError(f"npz: path={str(file)!r} is not a readable .npz archive ({e})") from e
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{where} is not a readable .npz archive ({type(e).__name__}: {e})") from e
     if not isinstance(arrays, np.lib.npyio.NpzFile):
-        raise ValueError(f"npz: path={str(file)!r} holds a single array, not an .npz archive of {list(NPZ_KEYS)}")
+        raise ValueError(f"{where} holds a single array, not an .npz archive of {list(NPZ_KEYS)}")
     with arrays:
         missing = [k for k in NPZ_KEYS if k not in arrays.files]
         if missing:
-            raise ValueError(f"npz: path={str(file)!r} lacks array(s) {missing}; it has {arrays.files}")
-        xtr, ytr, xte, yte = (arrays[k] for k in NPZ_KEYS)
+            raise ValueError(f"{where} lacks array(s) {missing}; it has {arrays.files}")
+        loaded = []
+        for key in NPZ_KEYS:
+            try:
+                loaded.append(arrays[key])
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # truncated, or object arrays (pickles)
+                raise ValueError(f"{where}: array {key!r} cannot be read ({type(e).__name__}: {e})") from e
+        xtr, ytr, xte, yte = loaded
+    if xtr.ndim < 1 or xte.ndim < 1:
+        raise ValueError(f"{where}: x_train {xtr.shape} and x_test {xte.shape} must have one row per sample")
     if flatten:
         xtr, xte = xtr.reshape(len(xtr), -1), xte.reshape(len(xte), -1)
     return _dataset(f"npz: path={str(file)!r}", xtr, ytr, xte, yte)._replace(name="npz")

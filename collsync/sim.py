@@ -131,8 +131,10 @@ class Simulator:
                 self._frozen_clock = self.now
         if not server.done:
             raise Deadlock(
-                f"{server.policy.name}: simulated server stopped at version {server.version} of {server.steps}: "
-                f"no gradient can arrive; frozen worker(s) {sorted(frozen)}, waiting worker(s) {sorted(waiting)}"
+                f"sync={server.policy.name}: the simulated server stopped at version {server.version} of "
+                f"{server.steps}: no gradient can arrive (frozen worker(s) {sorted(frozen)}, waiting "
+                f"worker(s) {sorted(waiting)}); a round that needs a frozen worker never completes: use a policy "
+                "that goes on without it (sync=backup, sync=async, sync=psp, or sync=ssp with sync.timeout)"
             )
         server.drain()
         return server

@@ -42,20 +42,25 @@ class Parts:
 
 
 def build(cfg: DictConfig) -> Parts:
-    """Instantiate every group of the config (raises ValueError naming the key on bad input)."""
-    for key in ("steps", "batch_size", "eval_every"):
-        if int(cfg[key]) < 1:
-            raise ValueError(f"{key}={cfg[key]} must be >= 1")
-    if str(cfg.get("guard", "stop")) not in ("stop", "skip", "off"):
-        raise ValueError(f"guard={cfg.get('guard')!r} must be one of stop, skip, off")
-    if not float(cfg.get("guard_loss", 10.0)) > 1.0:
-        raise ValueError(f"guard_loss={cfg.get('guard_loss')} must be > 1 (a multiple of the starting test loss)")
+    """Check the config against its schema (types of every key, converted in place where they only look wrong),
+    then instantiate every group (raises ValueError naming the key on bad input)."""
+    from collsync import schema
+
+    schema.check(cfg)
+    runtime = instantiate(cfg.runtime)
+    servers = cfg.runtime.get("servers", 1)
+    if runtime.kind == "sim" and servers != 1:
+        # runtime=auto without a launcher falls back to the simulator, which has one server: say so, not ignore it.
+        raise schema.ConfigError(
+            f"runtime.servers={servers} needs MPI ranks to serve on, but this run is the simulator (no launcher): "
+            f"launch it under mpiexec / srun with at least {servers + 1} ranks"
+        )
     data = instantiate(cfg.data)
     model = instantiate(cfg.model)(input_shape=data.input_shape, classes=data.classes, seed=cfg.seed)
     # A penalty is a Rule applied per arrival, or a wrapper of the optimizer's step (001_... Alg. 3).
     penalty, optimizer = combine(instantiate(cfg.penalty), instantiate(cfg.optimizer))
     return Parts(
-        runtime=instantiate(cfg.runtime),
+        runtime=runtime,
         policy=instantiate(cfg.sync),
         penalty=penalty,
         optimizer=optimizer,
@@ -126,8 +131,33 @@ class Evaluator:
 
 def _check_fit(parts: Parts, workers: int | None) -> None:
     """Incompatible runtime/policy/rule pairs fail here, before any gradient (and before MPI starts)."""
+    from collsync.runtime.mpi_world import launcher_size
+    from collsync.types import Context
+
+    policy, kind = parts.policy, parts.runtime.kind
     if workers is not None:
-        parts.policy.check(workers)
+        if policy.name == "psp" and policy.quorum is not None and policy.quorum > workers:
+            # psp's `pushes` is the policy's quorum: name the key the user set.
+            raise ValueError(f"psp: pushes={policy.quorum} must be <= {workers=}")
+        try:
+            policy.check(workers)
+        except ValueError as exc:
+            if kind == "sim" or launcher_size() is not None:
+                raise
+            raise ValueError(
+                f"{exc} (runtime={kind} without a launcher is a world of one rank: start it under mpiexec -n N / srun, "
+                "or train in the simulator with runtime=sim)"
+            ) from exc
+        aggregated = policy.full_for(workers)
+        if aggregated > 1:
+            # One update of `aggregated` averaged gradients, tried on zeros: a rule that needs one gradient per
+            # update (DANA's per-worker momentum) refuses it now rather than at the first update of training.
+            zeros = torch.zeros(sum(p.numel() for p in parts.model.parameters()))
+            ctx = Context(step=0, worker=-1, staleness=0, workers=workers, aggregated=aggregated)
+            try:
+                parts.optimizer.update(zeros, parts.optimizer.init(zeros), zeros, ctx)
+            except ValueError as exc:
+                raise ValueError(f"sync={policy.name} averages up to {aggregated} gradients per update: {exc}") from exc
     if parts.runtime.kind == "allreduce" and (parts.policy.name != "bsp"):
         raise ValueError(
             f"runtime=allreduce runs only sync=bsp (got sync={parts.policy.name}); use runtime=mpi for a server"
@@ -477,23 +507,23 @@ def _finish(
     are the whole model's when the server held one shard of them."""
     from collsync.checks import check_trace
     from collsync.metrics import format_summary, summary, write_report
+    from collsync.rundir import keep_on_write_failure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     try:
         counts = check_trace(trace, parts.policy, server.workers)
     except (AssertionError, ValueError) as exc:
         if not (extra or {}).get("incomplete"):
             raise
         counts = {"error": str(exc)}  # a run cut short may leave gradients that were never applied or dropped
-    trace.write_jsonl(out_dir / "trace.jsonl")
     if params is None:
         params, ema = server.params, server.ema
-    torch.save(
-        {"params": params, "ema": ema, "version": server.version, "config": OmegaConf.to_container(cfg)},
-        out_dir / "params.pt",
-    )
+    saved = {"params": params, "ema": ema, "version": server.version, "config": OmegaConf.to_container(cfg)}
     extra = {"trace_checks": counts, **(extra or {})}
-    write_report(trace, out_dir, extra=extra)
+    with keep_on_write_failure(out_dir, saved):  # a disk that filled up meanwhile: the parameters go elsewhere
+        out_dir.mkdir(parents=True, exist_ok=True)
+        trace.write_jsonl(out_dir / "trace.jsonl")
+        torch.save(saved, out_dir / "params.pt")
+        write_report(trace, out_dir, extra=extra)
     result = {**summary(trace), **extra}
     # Through logging, line by line: under Hydra its handlers show each line on the console and keep it in the run
     # folder's collsync.log, so the log a run leaves (e.g. a Slurm job's) holds its summary and where it went.

@@ -1,0 +1,236 @@
+"""The config's schema: every key checked against the type its code declares, when the config loads.
+
+Two sources of truth, both already in the code, so nothing is listed twice:
+
+* the top-level keys of `conf/config.yaml` are the fields of `RunConfig` (types, and the ranges its
+  `__post_init__` checks);
+* each group (`optimizer`, `sync`, `data`, ...) is a node with a `_target_`, whose keyword arguments are checked
+  against that factory's signature and annotations (`inspect.signature` + `typing.get_type_hints`).
+
+`check(cfg)` refuses an unknown keyword argument, a mandatory value left unset (`???`), and a value of the wrong
+type, with one line naming the key as the user typed it and the value (`optimizer.lr='abc' is not a number`),
+before anything is instantiated. Values that only look wrong are converted in place: a whole float where an integer
+is expected (`steps=1e3`), a numeric string where a number is expected (`${oc.env:LR}`), any scalar where a string
+is expected (`data.path=123`). Ranges and combinations stay with the factories, which already name their keys.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import inspect
+import math
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
+
+
+class ConfigError(ValueError):
+    """A config value the code cannot take; the message is one line naming the key and the value."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The top-level keys of `conf/config.yaml` with their types; `__post_init__` checks their ranges.
+
+    Keys added to the config later and not listed here are left to the code that reads them.
+    """
+
+    seed: int = 0
+    steps: int = 300
+    batch_size: int = 32
+    eval_every: int = 25
+    ema_decay: float | None = 0.99
+    warmup_updates: int = 0
+    linear_scaling: bool = False
+    progress: bool = True
+    guard: Literal["stop", "skip", "off"] = "stop"
+    guard_loss: float = 10.0
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "eval_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
+        if not self.guard_loss > 1.0:
+            raise ConfigError(f"guard_loss={self.guard_loss} must be > 1 (a multiple of the starting test loss)")
+
+
+# Hydra's own keys inside a group node, never passed to the factory as keyword arguments.
+_HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+
+
+def check(cfg: DictConfig) -> RunConfig:
+    """Check `cfg` in place (converting values as the module docstring says) and return its top-level keys.
+
+    Raises `ConfigError` (a ValueError) with one line naming the first bad key; an interpolation that cannot be
+    resolved raises OmegaConf's error, which `collsync.cli` prints as one line too.
+    """
+    hints = typing.get_type_hints(RunConfig)
+    values = {}
+    for f in fields(RunConfig):
+        if f.name in cfg:
+            values[f.name] = _checked(cfg, f.name, f.name, hints[f.name])
+    for group in cfg.keys():
+        if OmegaConf.is_missing(cfg, group) or OmegaConf.is_interpolation(cfg, group):
+            continue
+        node = cfg[group]
+        if isinstance(node, DictConfig) and "_target_" in node:
+            _check_group(node, str(group))
+    return RunConfig(**values)
+
+
+def _check_group(node: DictConfig, group: str) -> None:
+    """One group's keyword arguments against its factory's signature and annotations."""
+    target = str(node._target_)
+    try:
+        factory = get_object(target)
+    except Exception as exc:  # noqa: BLE001 - any import or lookup failure is a bad _target_
+        raise ConfigError(f"{group}._target_={target!r} cannot be imported ({type(exc).__name__})") from exc
+    signature = inspect.signature(factory)
+    try:
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    except (NameError, TypeError):  # an annotation that does not evaluate: check the names, not the types
+        hints = {}
+    params = signature.parameters
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    keys = [str(k) for k in node.keys() if str(k) not in _HYDRA_KEYS]
+    # Literal values first: an interpolation (gap_aware's eta_max: ${optimizer.lr}) is checked after its source, so
+    # a bad value is reported under the key the user typed.
+    keys.sort(key=lambda k: OmegaConf.is_interpolation(node, k))
+    for key in keys:
+        if key not in params and not open_ended:
+            takes = ", ".join(p for p in params if p not in ("input_shape", "classes")) or "nothing"
+            raise ConfigError(
+                f"{group}.{key}={_show(_raw(node, key))}: {group} ({target}) has no key {key!r} (its keys: {takes})"
+            )
+        _checked(node, key, f"{group}.{key}", hints.get(key, Any))
+    if not OmegaConf.select(node, "_partial_", default=False):
+        # A partial factory (a model, staleness_aware_step) gets the rest of its arguments from the code.
+        for name, p in params.items():
+            if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD and name not in node:
+                raise ConfigError(f"{group}.{name} is not set: {group} ({target}) needs it")
+
+
+def _raw(node: DictConfig, key: str) -> Any:
+    """The value as the user wrote it (an interpolation unresolved), for messages."""
+    return OmegaConf.to_container(node, resolve=False).get(key) if isinstance(node, DictConfig) else None
+
+
+def _checked(node: DictConfig, key: str, path: str, hint: Any) -> Any:
+    """The value of `node[key]` converted to `hint`; written back when the conversion changed it."""
+    if OmegaConf.is_missing(node, key):
+        raise ConfigError(f"{path}=??? is not set: give it a value ({path}=...)")
+    value = node[key]  # resolves an interpolation (OmegaConf raises, naming the key, if it cannot)
+    plain = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+    converted = _convert(plain, hint, path)
+    if converted is not plain and not _same(converted, plain):
+        with read_write(node), open_dict(node):
+            node[key] = converted
+    return converted
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _show(value: Any) -> str:
+    """A value as the user would type it: strings quoted, null, true / false."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=False)
+    return repr(value) if isinstance(value, (str, list, dict)) else str(value)
+
+
+def _convert(value: Any, hint: Any, path: str) -> Any:
+    """`value` as an instance of `hint`, or ConfigError naming `path` and the value."""
+    if hint is Any or hint is object or hint is inspect.Parameter.empty:
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        members = [a for a in args if a is not type(None)]
+        first: ConfigError | None = None
+        for member in members:
+            try:
+                return _convert(value, member, path)
+            except ConfigError as exc:
+                first = first or exc
+        assert first is not None
+        raise first
+    if origin is Literal:
+        if value in args and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}={_show(value)} must be one of {', '.join(map(str, args))}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{path}={_show(value)} is not true or false")
+    if hint is int:
+        return _whole(value, path)
+    if hint is float:
+        return _number(value, path)
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{path}={_show(value)} is not a string")
+    if origin in (list, tuple, collections.abc.Sequence) or hint in (list, tuple):
+        return _sequence(value, origin or hint, args, path)
+    return value  # a type the config cannot spell (a tensor, a callable): the factory checks it
+
+
+def _whole(value: Any, path: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{path}={_show(value)} is not a whole number")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{path}={_show(value)} is not a whole number") from None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise ConfigError(f"{path}={_show(value)} is not a whole number")
+
+
+def _number(value: Any, path: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{path}={_show(value)} is not a number")
+    if isinstance(value, int):
+        return value  # ints are valid floats to every factory; kept as typed
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{path}={_show(value)} is not a number") from None
+    if not isinstance(value, float):
+        raise ConfigError(f"{path}={_show(value)} is not a number")
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}={_show(value)} is not a finite number")
+    return value
+
+
+def _sequence(value: Any, kind: Any, args: tuple[Any, ...], path: str) -> Any:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}={_show(value)} is not a list")
+    if kind is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(f"{path}={_show(value)} must hold {len(args)} values")
+        items = [_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))]
+    else:
+        element = args[0] if args else Any
+        items = [_convert(v, element, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if kind is tuple else items
