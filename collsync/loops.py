@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,24 @@ class Worker:
     def __post_init__(self) -> None:
         # B-FASGD's coin flips: a private stream per worker, so runs are reproducible and runtimes agree.
         self._rng = random.Random(self.seed * 1_000_003 + self.rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this worker is (plain types, for a checkpoint): its round, version, count and coin stream."""
+        rng = self._rng.getstate()
+        return {
+            "clock": self.clock,
+            "version": self.version,
+            "steps": self.steps,
+            "v": self.v,
+            "fetches": self.fetches,
+            "rng": [rng[0], list(rng[1]), rng[2]],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clock, self.version, self.steps = int(state["clock"]), int(state["version"]), int(state["steps"])
+        self.v, self.fetches = float(state["v"]), int(state["fetches"])
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
 
     def will_fetch(self) -> bool:
         """B-FASGD: fetch at this opportunity? (Always for other policies, and for a worker that has nothing yet.)"""
@@ -119,6 +138,8 @@ def run_worker(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat) ->
 
 # How often a server whose workers decide when training ends (`until_left`) looks for workers that left.
 _LEFT_POLL_S = 0.02
+# How long a server with a `between` hook (checkpoints, signals) waits at most before calling it again.
+_BETWEEN_POLL_S = 0.25
 
 
 def run_server(
@@ -128,6 +149,7 @@ def run_server(
     *,
     until_left: bool = False,
     publish_delay: float = 0.0,
+    between: Callable[[Server], None] | None = None,
 ) -> Server:
     """Receive, accept, publish until `server.done`; then drop what is still in flight.
 
@@ -142,6 +164,9 @@ def run_server(
 
     `publish_delay`: a slow server (`stragglers=slow_server`): after each update it stays busy that many seconds
     before workers see the new version, as the simulator models it.
+
+    `between(server)`: called after each message (or quiet `_BETWEEN_POLL_S`), where the server's state is whole:
+    a checkpoint is written there, and a stop asked for by a signal raised.
     """
     policy = server.policy
     mailbox.publish(server.view(), server.stamp())
@@ -155,6 +180,8 @@ def run_server(
         wait = policy.deadline if flush_at is None else max(0.0, flush_at - time.monotonic())
         if until_left:
             wait = _LEFT_POLL_S if wait is None else min(wait, _LEFT_POLL_S)
+        if between is not None:
+            wait = _BETWEEN_POLL_S if wait is None else min(wait, _BETWEEN_POLL_S)
         arrival = mailbox.recv(timeout=wait)
         now = time.monotonic()
         before = server.version
@@ -177,6 +204,8 @@ def run_server(
             mailbox.publish(server.view(), server.stamp())
             if on_update is not None:
                 on_update(server)
+        if between is not None and not server.done:
+            between(server)
     for arrival in mailbox.close(timeout=policy.deadline):
         server.accept(arrival)
     return server
@@ -206,7 +235,8 @@ def run_allreduce(
     `averaged=True`: `grads` returns the mean over ranks already (`mpi_coll.BucketReducer.averaged` reduces it in
     buckets during the backward pass), so no allreduce is added here.
     """
-    worker = Worker(collective.rank, server.policy)
+    # Every round every rank computes one gradient: its batch index is the version (also after a resume).
+    worker = Worker(collective.rank, server.policy, steps=server.version)
     while not server.done:
         stamp = server.stamp()
         worker.begin(stamp)
@@ -266,15 +296,17 @@ def run_partial(
     check_policy(server.policy)
     if server.workers != pa.size:
         raise ValueError(f"run_partial: the server expects workers={server.workers}, the world has {pa.size} ranks")
-    computed = 0
+    # The partial allreduce numbers its rounds from 0; a replica resumed at version `base` maps them onto its own.
+    # The batch index goes on from the version (with b = 0, every rank computes every round; else it is a choice).
+    base = computed = server.version
     while not server.done:
-        t = server.version
+        t = server.version - base
         result = pa.try_read(server.quorum, t)
         if result is None:
             # The gradient function copies the view into the model itself: no copy of our own here.
             result = pa(grads(server.view(), pa.rank, computed), server.quorum, t)
             computed += 1
-        apply_result(server, result)
+        apply_result(server, result._replace(round=result.round + base))
         if on_update is not None:
             on_update(server)
     return server

@@ -14,9 +14,11 @@ an MPI run of the same config agree bit for bit where the arrivals agree.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
+from collsync.checkpoint import plain, unplain
 from collsync.policy import SyncPolicy
 from collsync.rules.base import Rule, identity
 from collsync.rules.fasgd import bfasgd_v
@@ -79,6 +81,9 @@ class Server:
             bfasgd_v(self.opt_state)  # fails now, naming the fix, unless the optimizer is FASGD
         self._oldest = [0] * workers
         self._armed: int | None = None  # the version whose collection timeout is running (see `arm`)
+        # What each worker has sent (gradients received, its last round): where a resumed worker picks up.
+        self.received = [0] * workers
+        self.clocks = [-1] * workers
         if self.needs_read:
             self._history[0] = self.view().clone()
 
@@ -106,6 +111,8 @@ class Server:
         """Take one gradient; apply every update it completes. False if it was dropped."""
         if not 0 <= arrival.worker < self.workers:
             raise ValueError(f"server: arrival from worker {arrival.worker} outside 0..{self.workers - 1}")
+        self.received[arrival.worker] += 1
+        self.clocks[arrival.worker] = max(self.clocks[arrival.worker], arrival.clock)
         repeat = arrival.grad is None
         if repeat:
             last = self._last.get(arrival.worker)
@@ -275,6 +282,49 @@ class Server:
         floor = min(self._oldest)
         for v in [v for v in self._history if v < floor]:
             del self._history[v]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything `load_state_dict` needs to go on exactly from here, in types `torch.load(weights_only=True)`
+        reads back: tensors, numbers, lists and dicts (rule states as nested lists, see `checkpoint.plain`)."""
+        return {
+            "params": self.params,
+            "ema": self.ema,
+            "version": self.version,
+            "opt_state": plain(self.opt_state),
+            "pen_state": plain(self.pen_state),
+            "pending": {k: [a._asdict() for a in batch] for k, batch in self.pending.items()},
+            "applied": self.applied,
+            "dropped": self.dropped,
+            "history": dict(self._history),
+            "last": dict(self._last),
+            "oldest": list(self._oldest),
+            "armed": self._armed,
+            "received": list(self.received),
+            "clocks": list(self.clocks),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()` of a server built with the same config (the shapes are checked here; the
+        config by `checkpoint.check_config`)."""
+        if state["params"].shape != self.params.shape or len(state["received"]) != self.workers:
+            raise ValueError(
+                f"checkpoint: a server of {state['params'].numel()} parameters and {len(state['received'])} workers "
+                f"cannot resume one of {self.params.numel()} and {self.workers}"
+            )
+        self.params.copy_(state["params"])
+        if self.ema is not None:
+            self.ema.copy_(state["ema"] if state["ema"] is not None else self.params)
+        self.version = int(state["version"])
+        self.opt_state = unplain(self.opt_state, state["opt_state"], "optimizer")
+        self.pen_state = unplain(self.pen_state, state["pen_state"], "penalty")
+        self.pending = {int(k): [Arrival(**a) for a in batch] for k, batch in state["pending"].items()}
+        self.applied, self.dropped = int(state["applied"]), int(state["dropped"])
+        self._history = {int(v): t for v, t in state["history"].items()}
+        self._last = {int(w): t for w, t in state["last"].items()}
+        self._oldest = list(state["oldest"])
+        self._armed = state["armed"]
+        self.received, self.clocks = list(state["received"]), list(state["clocks"])
+        self._view = None
 
     def _note(self, ev: str, **fields: object) -> None:
         if self.trace is not None:

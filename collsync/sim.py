@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from collsync.loops import GradFn, Worker
+from collsync.policy import SyncPolicy
 from collsync.server import Server
 from collsync.trace import Trace
 from collsync.types import Arrival, Flat
@@ -43,6 +44,12 @@ class Simulator:
         self.trace = Trace(clock=lambda: self.now if self._frozen_clock is None else self._frozen_clock)
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
+        # The run's state between events (set up by the first `run`, or by `load_state_dict`).
+        self._workers: list[Worker] | None = None
+        self._held: list[Flat | None] = [None] * workers  # what each worker computes on
+        self._waiting: set[int] = set()  # held back by the policy until the next update
+        self._frozen_set: set[int] = set()  # frozen by the straggler model
+        self._busy_until = 0.0  # a slow server's end of its last update
 
     def _schedule(self, t: float, kind: int, worker: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, worker, payload))
@@ -56,56 +63,41 @@ class Simulator:
     def _frozen(self, worker: int) -> bool:
         return self.sampler is not None and self.sampler.is_frozen(worker, self.now)
 
-    def run(self, server: Server, grads: GradFn, on_update: Callable[[Server], None] | None = None) -> Server:
-        """Simulate until the server is done; gradients in flight at the end are dropped (and traced)."""
+    def run(
+        self,
+        server: Server,
+        grads: GradFn,
+        on_update: Callable[[Server], None] | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> Server:
+        """Simulate until the server is done; gradients in flight at the end are dropped (and traced).
+
+        `between()` is called between two events, where `state_dict()` is complete (a checkpoint is taken there);
+        it may raise to end the run. A simulator restored with `load_state_dict` goes on from that point.
+        """
         if server.workers != self.workers:
             raise ValueError(f"runtime: simulator has {self.workers} workers, server expects {server.workers}")
         if server.trace is not self.trace:
             raise ValueError("runtime: build the Server with trace=simulator.trace so events carry simulated time")
-        workers = [Worker(w, server.policy, seed=self.seed) for w in range(self.workers)]
-        # What each worker computes on; B-FASGD workers that skip a fetch keep their own copy.
-        held: list[Flat | None] = [None] * self.workers
-        keep_copy = server.policy.c_fetch is not None
-        waiting: set[int] = set()
-        frozen: set[int] = set()
-
-        def try_start(w: int) -> None:
-            worker, stamp = workers[w], server.stamp()
-            if stamp.done:
-                return
-            if not worker.ready(stamp):
-                waiting.add(w)
-                return
-            if self._frozen(w):
-                frozen.add(w)
-                return
-            fetch = worker.will_fetch()
-            clock = worker.begin(stamp, fetched=fetch)
-            if fetch:
-                held[w] = server.view().clone() if keep_copy else server.view()
-            extra = {"fetched": fetch} if server.policy.bandwidth_aware else {}
-            self.trace.record("start", worker=w, clock=clock, version=worker.version, **extra)
-            index = worker.steps
-            params = held[w]
-            assert params is not None  # a worker's first opportunity always fetches
-            arrival = worker.arrival(grads(params, w, index))
-            self._schedule(self.now + self._compute_time(w, index), _PUSH, w, arrival)
-
-        for w in range(self.workers):
-            try_start(w)
+        self._server, self._grads = server, grads
+        if self._workers is None:
+            self._workers = [Worker(w, server.policy, seed=self.seed) for w in range(self.workers)]
+            for w in range(self.workers):
+                self._try_start(w)
         slow = self.sampler.model.slow_server if self.sampler is not None else 0.0
-        busy_until = 0.0
         while self._heap:
+            if between is not None and not server.done:
+                between()
             t, _, kind, w, payload = heapq.heappop(self._heap)
             self.now = t
-            if kind == _PUSH and t < busy_until:
+            if kind == _PUSH and t < self._busy_until:
                 # A slow server is still busy with its last update: the gradient waits for it, in arrival order.
-                self._schedule(busy_until, _PUSH, w, payload)
+                self._schedule(self._busy_until, _PUSH, w, payload)
                 continue
             before = server.version
             if kind == _WAKE:
                 for v in payload:
-                    try_start(v)
+                    self._try_start(v)
                 continue
             if kind == _PUSH:
                 arrival: Arrival = payload
@@ -116,28 +108,88 @@ class Simulator:
             if server.version != before:
                 if on_update is not None:
                     on_update(server)
-                woken |= waiting
-                waiting.clear()
+                woken |= self._waiting
+                self._waiting.clear()
             self._arm_timeout(server)
             if slow > 0 and server.version != before and not server.done:
                 # Workers see the new version only once the slow server is done with it.
-                busy_until = self.now + slow
-                self._schedule(busy_until, _WAKE, -1, sorted(woken))
+                self._busy_until = self.now + slow
+                self._schedule(self._busy_until, _WAKE, -1, sorted(woken))
                 woken = set()
             for v in sorted(woken):
-                try_start(v)
+                self._try_start(v)
             if server.done and self._frozen_clock is None:
                 # Gradients still in flight are dropped "at" the end of training, not when they would have landed.
                 self._frozen_clock = self.now
         if not server.done:
             raise Deadlock(
                 f"sync={server.policy.name}: the simulated server stopped at version {server.version} of "
-                f"{server.steps}: no gradient can arrive (frozen worker(s) {sorted(frozen)}, waiting "
-                f"worker(s) {sorted(waiting)}); a round that needs a frozen worker never completes: use a policy "
+                f"{server.steps}: no gradient can arrive (frozen worker(s) {sorted(self._frozen_set)}, waiting "
+                f"worker(s) {sorted(self._waiting)}); a round that needs a frozen worker never completes: use a policy "
                 "that goes on without it (sync=backup, sync=async, sync=psp, or sync=ssp with sync.timeout)"
             )
         server.drain()
         return server
+
+    def _try_start(self, w: int) -> None:
+        server, worker = self._server, self._workers[w]
+        stamp = server.stamp()
+        if stamp.done:
+            return
+        if not worker.ready(stamp):
+            self._waiting.add(w)
+            return
+        if self._frozen(w):
+            self._frozen_set.add(w)
+            return
+        fetch = worker.will_fetch()
+        clock = worker.begin(stamp, fetched=fetch)
+        if fetch:
+            # B-FASGD workers that skip a fetch keep computing on their own copy.
+            self._held[w] = server.view().clone() if server.policy.c_fetch is not None else server.view()
+        extra = {"fetched": fetch} if server.policy.bandwidth_aware else {}
+        self.trace.record("start", worker=w, clock=clock, version=worker.version, **extra)
+        index = worker.steps
+        params = self._held[w]
+        assert params is not None  # a worker's first opportunity always fetches
+        arrival = worker.arrival(self._grads(params, w, index))
+        self._schedule(self.now + self._compute_time(w, index), _PUSH, w, arrival)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The simulation between two events, in plain types (for a checkpoint; the server's state is its own)."""
+        assert self._workers is not None, "state_dict() of a simulator that never ran"
+        heap = [
+            [t, seq, kind, w, payload._asdict() if kind == _PUSH else payload]
+            for t, seq, kind, w, payload in self._heap
+        ]
+        return {
+            "now": self.now,
+            "frozen_clock": self._frozen_clock,
+            "heap": heap,
+            "seq": self._seq,
+            "workers": [w.state_dict() for w in self._workers],
+            "held": [h.clone() if h is not None else None for h in self._held],
+            "waiting": sorted(self._waiting),
+            "frozen": sorted(self._frozen_set),
+            "busy_until": self._busy_until,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], policy: SyncPolicy) -> None:
+        """Go on from `state_dict()` (before `run`, with the server restored from the same checkpoint)."""
+        if len(state["workers"]) != self.workers:
+            raise ValueError(f"checkpoint: a simulation of {len(state['workers'])} workers, not {self.workers}")
+        self.now, self._frozen_clock, self._seq = float(state["now"]), state["frozen_clock"], int(state["seq"])
+        self._heap = [
+            (t, seq, kind, w, Arrival(**payload) if kind == _PUSH else payload)
+            for t, seq, kind, w, payload in state["heap"]
+        ]
+        heapq.heapify(self._heap)
+        self._workers = [Worker(w, policy, seed=self.seed) for w in range(self.workers)]
+        for worker, saved in zip(self._workers, state["workers"], strict=True):
+            worker.load_state_dict(saved)
+        self._held = list(state["held"])
+        self._waiting, self._frozen_set = set(state["waiting"]), set(state["frozen"])
+        self._busy_until = float(state["busy_until"])
 
     def _arm_timeout(self, server: Server) -> None:
         fires = server.arm(self.now)

@@ -39,6 +39,14 @@ class Trace:
         self.events.append(event)
         return event
 
+    def resume(self, events: Iterable[Event], *, shift_clock: bool) -> None:
+        """Go on from a checkpoint's events: they come first, and with `shift_clock` (a wall clock that restarted
+        at zero) the clock continues from the last of them, so time never goes backwards in the trace."""
+        self.events = list(events)
+        if shift_clock and self.events:
+            offset, clock = float(self.events[-1]["t"]), self.clock
+            self.clock = lambda: offset + clock()
+
     def extend(self, events: Iterable[Event]) -> None:
         self.events.extend(events)
 

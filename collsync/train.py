@@ -18,6 +18,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from collsync.checkpoint import Keeper, Preempted
 from collsync.flat import FlatModel
 from collsync.loops import GradFn, Gradients, Worker, run_allreduce, run_server, run_worker
 from collsync.policy import SyncPolicy
@@ -205,14 +206,24 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
         from collsync.sim import Simulator
 
         _check_fit(parts, spec.workers)
+        keeper = _keeper(cfg, out_dir)
+        saved = keeper.resumed()
         sim = Simulator(spec.workers, parts.stragglers, int(cfg.seed))
         server = _server(cfg, parts, flat, spec.workers, sim.trace)
         grads = Gradients(flat, Batches(parts.data, spec.workers, int(cfg.batch_size), int(cfg.seed)))
         bar = _progress(int(cfg.steps), bool(cfg.progress))
         evaluate = Evaluator(flat, parts.data, sim.trace, int(cfg.eval_every), bar, guard_loss=_guard_loss(cfg))
+        if saved is not None:
+            sim.load_state_dict(saved["driver"], parts.policy)
+            _restore(saved, keeper, server, sim.trace, evaluate, shift_clock=False)
+
+        def between() -> None:
+            keeper.step(server.version, lambda: _state(server, sim.trace, evaluate, driver=sim.state_dict()))
+
         with _keep_on_failure(lambda why: _finish(cfg, parts, server, sim.trace, out_dir, extra={"incomplete": why})):
-            evaluate(server)
-            sim.run(server, grads, on_update=evaluate)
+            if saved is None:
+                evaluate(server)
+            sim.run(server, grads, on_update=evaluate, between=between)
         if bar is not None:
             bar.close()
         return _finish(cfg, parts, server, sim.trace, out_dir)
@@ -314,8 +325,9 @@ def _run_allreduce(run: _Launch) -> dict[str, Any] | None:
     server = _server(cfg, parts, flat, run.workers, trace)
     bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)
     evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar, guard_loss=_guard_loss(cfg))
+    update = _replicas_resume(run, server, trace, evaluate)
     with _keep_on_failure(_saver(run, server, trace) if coll.rank == 0 else None):
-        run_allreduce(server, coll, grads, on_update=evaluate if coll.rank == 0 else None, averaged=reducer is not None)
+        run_allreduce(server, coll, grads, on_update=update, averaged=reducer is not None)
     if bar is not None:
         bar.close()
     result = _finish(cfg, parts, server, trace, run.out_dir) if coll.rank == 0 else None
@@ -343,10 +355,11 @@ def _run_partial(run: _Launch) -> dict[str, Any] | None:
     server = _server(cfg, parts, flat, run.workers, trace)
     bar = _progress(int(cfg.steps), bool(cfg.progress) and rank == 0)
     evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar, guard_loss=_guard_loss(cfg))
+    update = _replicas_resume(run, server, trace, evaluate)
     with _keep_on_failure(_saver(run, server, trace) if rank == 0 else None):
-        if rank == 0:
+        if rank == 0 and server.version == 0:
             evaluate(server)
-        run_partial(server, pa, grads, on_update=evaluate if rank == 0 else None)
+        run_partial(server, pa, grads, on_update=update)
     if bar is not None:
         bar.close()
     pa.free()  # collective; no `finally`: after a failure cli._fail aborts the world
@@ -364,6 +377,11 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     spec, servers = parts.runtime, parts.runtime.servers
     shards = Shards(comm, flat.numel, servers)
     trace = Trace()
+    # Rank 0 keeps the checkpoints (with one shard: several are not checkpointed yet) and tells each worker where it
+    # resumes: after the last gradient the server got from it, so none is lost or applied twice.
+    several = f"runtime.servers={servers} does not write checkpoints yet (one server does)" if servers > 1 else None
+    keeper, saved = _rank0_keeper(run, disabled=several)
+    sent = comm.bcast(None if saved is None else (saved["server"]["received"], saved["server"]["clocks"]), root=0)
     # No `finally: close()`: freeing is collective, and after a failure the other ranks are not there to join it;
     # the error reaches cli._fail, which aborts the world instead.
     if shards.serving:
@@ -391,13 +409,20 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
                 final_later=servers > 1,
                 guard_loss=_guard_loss(cfg),
             )
-            evaluate(server)
+            if saved is not None:
+                _restore(saved, keeper, server, trace, evaluate, shift_clock=True)
+            else:
+                evaluate(server)
         model = parts.stragglers
         slow = run.sampler is not None and model.slow_server > 0 and shards.rank == model.slow_shard
         # A worker stopped, hung or died, or training diverged: keep what was trained before the error ends the run.
         save = (lambda why: _save_incomplete(run, server, trace, shards, evaluate, why)) if shards.rank == 0 else None
+        between = None
+        if keeper is not None:
+            between = lambda s: keeper.step(s.version, lambda: _state(s, trace, evaluate, {}))  # noqa: E731
+        delay = model.slow_server * spec.time_scale * slow
         with _keep_on_failure(save):
-            run_server(server, shards.own, on_update=evaluate, publish_delay=model.slow_server * spec.time_scale * slow)
+            run_server(server, shards.own, on_update=evaluate, publish_delay=delay, between=between)
         if shards.rank == 0 and bar is not None:
             bar.close()
         applies = trace.of("apply")
@@ -407,6 +432,8 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     else:
         mailbox = shards.worker_mailbox(parts.policy.pull_fraction, parts.policy.pull_timeout)
         worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
+        if sent is not None:
+            worker.steps, worker.clock = sent[0][mailbox.worker], sent[1][mailbox.worker]
         if run.sampler is not None:
             grads = _injected(grads, run.sampler, spec.time_scale, lambda: mailbox.peek().done)
         run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
@@ -436,13 +463,84 @@ def _guard_loss(cfg: DictConfig) -> float | None:
     return None if str(cfg.get("guard", "stop")) == "off" else float(cfg.get("guard_loss", 10.0))
 
 
+def _keeper(cfg: DictConfig, out_dir: Path, disabled: str | None = None) -> Keeper:
+    """The run's checkpoints as configured (`checkpoint.every` updates / `.seconds`, `resume`)."""
+    ck = cfg.get("checkpoint") or {}
+    resume = cfg.get("resume")
+    return Keeper(
+        OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+        out_dir,
+        ck.get("every"),
+        ck.get("seconds"),
+        None if resume is None else str(resume),
+        disabled=disabled,
+    )
+
+
+def _rank0_keeper(run: _Launch, disabled: str | None = None) -> tuple[Keeper | None, dict[str, Any] | None]:
+    """Rank 0's checkpoints and the checkpoint it resumes from (the other ranks: None, None)."""
+    if run.comm.Get_rank() != 0:
+        return None, None
+    keeper = _keeper(run.cfg, run.out_dir, disabled=disabled)
+    return keeper, keeper.resumed()
+
+
+def _replicas_resume(
+    run: _Launch, server: Server, trace: Trace, evaluate: Evaluator
+) -> Callable[[Server], None] | None:
+    """The serverless runtimes: every replica resumes from rank 0's checkpoint (sent to them: no shared file system
+    needed); returns rank 0's `on_update`, which evaluates and checkpoints (None on the other ranks)."""
+    keeper, saved = _rank0_keeper(run)
+    state = run.comm.bcast(None if saved is None else saved["server"], root=0)
+    if keeper is None:
+        if state is not None:
+            server.load_state_dict(state)
+        return None
+    if saved is not None:
+        _restore(saved, keeper, server, trace, evaluate, shift_clock=True)
+
+    def update(s: Server) -> None:
+        evaluate(s)
+        keeper.step(s.version, lambda: _state(s, trace, evaluate, {}))
+
+    return update
+
+
+def _state(server: Server, trace: Trace, evaluate: Evaluator | None, driver: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's payload: the server, the runtime's own state, the trace so far and the guard's reference."""
+    return {
+        "server": server.state_dict(),
+        "driver": driver,
+        "events": list(trace.events),
+        "evaluator": {"first_loss": evaluate.first_loss if evaluate is not None else None},
+    }
+
+
+def _restore(
+    saved: dict[str, Any],
+    keeper: Keeper,
+    server: Server,
+    trace: Trace | None,
+    evaluate: Evaluator | None,
+    *,
+    shift_clock: bool,
+) -> None:
+    """Go on from a checkpoint: the server's state, then the trace (marked where it resumed) and the guard."""
+    server.load_state_dict(saved["server"])
+    if trace is not None:
+        trace.resume(saved["events"], shift_clock=shift_clock)
+        trace.record("resume", version=server.version, checkpoint=str(keeper.source))
+    if evaluate is not None:
+        evaluate.first_loss = saved["evaluator"]["first_loss"]
+
+
 @contextlib.contextmanager
 def _keep_on_failure(save: Callable[[str], Any] | None) -> Iterator[None]:
-    """A deadline or a divergence ends the run (the error goes on to cli._fail), but first `save(reason)` writes
-    what was trained (on rank 0); without `save` (other ranks), wait while rank 0 writes."""
+    """A deadline, a divergence or a signal ends the run (the error goes on to cli), but first `save(reason)`
+    writes what was trained (on rank 0); without `save` (other ranks), wait while rank 0 writes."""
     try:
         yield
-    except (TimeoutError, Diverged) as exc:
+    except (TimeoutError, Diverged, Preempted) as exc:
         if save is not None:
             save(str(exc))
         else:
