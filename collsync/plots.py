@@ -248,6 +248,6 @@ def comparison_figure(curves: Sequence[Curve], x: str = "time", title: str = "")
     if below:
         fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize="small")
     else:
-        axes[-1].legend(handles=handles, loc="lower right", fontsize="small")
+        axes[-1].legend(handles=handles, loc="best", fontsize="small")  # where it hides the fewest points
     fig.suptitle(f"Test accuracy vs {x}" + (f"\n{title}" if title else ""), fontsize="medium")
     return fig

@@ -130,7 +130,7 @@ def read_run(path: Path) -> Run:
         raise ReportError(f"{trace_path} is empty: the run recorded no events (did it stop before training?)")
     clock = run_clock(path)
     try:
-        result = summary(trace, clock=clock)
+        result = {**summary(trace, clock=clock), **_kept_summary_keys(path)}  # with the trainer's `incomplete`
     except (KeyError, TypeError, ValueError) as exc:
         raise ReportError(f"{trace_path} is not a valid trace: {exc!r}") from exc
     return Run(path, trace, read_overrides(path), clock, result)
@@ -198,13 +198,15 @@ def _stats(values: Sequence[float | None]) -> tuple[float | None, float | None, 
 
 def group_table(runs: Sequence[Run], thresholds: Sequence[float] = THRESHOLDS) -> list[dict[str, Any]]:
     """One row per group (runs differing only in seed), in order of first appearance: `group`, `clock`, `seeds`,
-    then `<metric>_mean`, `<metric>_std` for time_to_<a> (and `time_to_<a>_reached`, how many seeds got there),
-    final_acc, best_acc, updates_per_s, dropped, staleness_mean."""
+    `stopped_early` (runs whose summary.json is marked incomplete), then `<metric>_mean`, `<metric>_std` for
+    time_to_<a> (and `time_to_<a>_reached`, how many seeds got there), final_acc, best_acc, updates_per_s, dropped,
+    staleness_mean."""
     rows = []
     for group in dict.fromkeys(r.group for r in runs):
         members = [r for r in runs if r.group == group]
         sums = [r.summary for r in members]
         row: dict[str, Any] = {"group": group, "clock": members[0].clock or "", "seeds": len(members)}
+        row["stopped_early"] = sum(1 for s in sums if s.get("incomplete"))  # deadline, divergence guard, signal
         for a in thresholds:
             mean, std, reached = _stats([s["time_to_acc"][a] for s in sums])
             row |= {f"time_to_{a:g}_mean": mean, f"time_to_{a:g}_std": std, f"time_to_{a:g}_reached": reached}
@@ -248,7 +250,8 @@ def format_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float] = T
         head.insert(1, "clock")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        cells = [r["group"], str(r["seeds"])]
+        stopped = r.get("stopped_early", 0)
+        cells = [r["group"] + (f" ({stopped} of {r['seeds']} stopped early)" if stopped else ""), str(r["seeds"])]
         if len(clocks) > 1:
             cells.insert(1, r["clock"] or "unknown")
         for a in thresholds:
@@ -269,7 +272,8 @@ def format_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float] = T
         "",
         "Mean ± standard deviation over the seeds of each row. Time to a: the first evaluation with test accuracy "
         ">= a (of theta); seeds that never got there are left out of the mean and counted as (reached of seeds). "
-        "Dropped: gradients dropped per run; mean staleness over applied gradients.",
+        "Dropped: gradients dropped per run; mean staleness over applied gradients. A run that stopped early "
+        "(its summary.json says why under `incomplete`) is counted in its row as it ended.",
     ]
     return "\n".join(lines)
 

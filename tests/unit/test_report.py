@@ -156,6 +156,21 @@ def test_table_counts_seeds_that_never_got_there(tmp_path):
     assert "| 2.50 ± 0.71 (2 of 3) |" in format_table([row], thresholds=(0.9,))
 
 
+def test_table_marks_runs_that_stopped_early(tmp_path):
+    runs = [read_run(run_folder(tmp_path / str(s), curve_trace([1.0, 2.0], [0.5, 0.9]), [f"seed={s}"])) for s in (0, 1)]
+    stopped = tmp_path / "1" / "summary.json"
+    stopped.write_text(json.dumps({"clock": "simulated", "incomplete": "guard: the test loss is nan"}))
+    runs[1] = read_run(tmp_path / "1")
+    label_runs(runs)
+    row = group_table(runs, thresholds=(0.9,))[0]
+    assert row["stopped_early"] == 1
+    assert (
+        format_table([row], thresholds=(0.9,))
+        .splitlines()[2]
+        .startswith("| defaults (1 of 2 stopped early) | 2 |")  # a sweep over seeds only: one group
+    )
+
+
 def legend_texts(figure) -> list[str]:
     legends = [*figure.legends, *(ax.get_legend() for ax in figure.axes if ax.get_legend() is not None)]
     return [t.get_text() for legend in legends for t in legend.get_texts()]
