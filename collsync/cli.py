@@ -1,4 +1,4 @@
-"""The `collsync-train` entry point (Hydra); `collsync-report` lives in `collsync.metrics.report_main`.
+"""The `collsync-train` entry point (Hydra); `collsync-report` lives in `collsync.report`.
 
 Errors in the user's input end the run with one line on stderr and exit status 2: Hydra's own (an unknown key or
 option, an override that does not parse), the schema's (`collsync.schema`: a value of the wrong type), the
