@@ -163,7 +163,9 @@ def format_predictions(predictions: Sequence[Prediction], clock: str | None, rou
             f"{p.backups:>3} {p.quorum:>4} {p.round_s:>11.4f} {p.gradients_per_s:>12.3f} {p.nth_arrival_s:>18.4f}{mark}"
         )
     lines += [
-        f"recommended: sync=backup sync.backups={best.backups} (wait for N={best.quorum} of {workers})",
+        f"recommended: sync=backup sync.backups={best.backups} (wait for N={best.quorum} of {workers})"
+        if best.backups
+        else f"recommended: sync=bsp (b = 0: wait for all {workers}; backup workers would cost more than they save)",
         "  the most applied gradients per second: the least time to converge if the rounds needed fall as 1/N "
         "(000_... Fig. 5-6)",
         "  round time: each worker's measured arrivals replayed, late batches finishing (as collsync runs them)",

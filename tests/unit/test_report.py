@@ -308,7 +308,10 @@ def test_choose_backups_predicts_the_round_time_of_each_b(tmp_path, capsys, stra
         assert round_s == pytest.approx(measured, rel=0.05), (b, round_s, measured)
         assert rate == pytest.approx((WORKERS - b) / round_s, rel=1e-3)
     best = max(predicted, key=lambda b: (predicted[b][1], -b))
-    assert f"recommended: sync=backup sync.backups={best} (wait for N={WORKERS - best} of {WORKERS})" in text
+    if best:
+        assert f"recommended: sync=backup sync.backups={best} (wait for N={WORKERS - best} of {WORKERS})" in text
+    else:  # batch times varying by 10% (homogeneous): dropping gradients costs more than the wait it saves
+        assert f"recommended: sync=bsp (b = 0: wait for all {WORKERS};" in text
     assert text.count("<- recommended") == 1
 
 
