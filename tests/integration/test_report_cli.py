@@ -17,7 +17,7 @@ ENV = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "OMPI_COMM_W
 def test_sweep_then_report_on_the_sweep_folder(tmp_path):
     sweep = tmp_path / "multirun" / "sweep"
     train = subprocess.run(
-        [*TRAIN, "-m", f"hydra.sweep.dir={sweep}", "steps=30", "eval_every=10", "runtime.workers=4"]
+        [*TRAIN, "-m", f"hydra.sweep.dir={sweep}", "steps=20", "eval_every=10", "runtime.workers=2"]
         + ["progress=false", "sync=bsp,async", "seed=0,1"],
         capture_output=True,
         text=True,
@@ -42,8 +42,3 @@ def test_sweep_then_report_on_the_sweep_folder(tmp_path):
         ("sync=async", "2", "simulated"),
     ]
     assert "| runs | seeds | time to 0.5 (simulated s) |" in (sweep / "report" / "table.md").read_text()
-    empty = tmp_path / "multirun" / "none"
-    empty.mkdir()
-    failed = subprocess.run([*REPORT, str(empty)], capture_output=True, text=True, timeout=300, env=ENV)
-    assert failed.returncode == 2 and failed.stderr.count("\n") == 1
-    assert failed.stderr.startswith("collsync-report: error: no run folder")
