@@ -313,20 +313,21 @@ def _run_allreduce(run: _Launch) -> dict[str, Any] | None:
 
     cfg, parts, flat, spec, grads = run.cfg, run.parts, run.flat, run.parts.runtime, run.grads
     trace = Trace()
-    coll = MpiCollective(run.comm)
+    deadline = parts.policy.deadline  # a stopped or dead rank ends the run, rather than hang every other one
+    coll = MpiCollective(run.comm, deadline)
     reducer = None
     if run.sampler is not None:
         # An injected delay must hold this rank's gradient back, so the reduction follows it (no overlap).
         grads = _injected(grads, run.sampler, spec.time_scale, lambda: False)
     elif spec.bucket_mib > 0:
         # Gradient buckets are reduced while the backward pass runs; the mean is ready when it returns.
-        reducer = BucketReducer(run.comm, flat, max(1, int(spec.bucket_mib * 2**20)))
+        reducer = BucketReducer(run.comm, flat, max(1, int(spec.bucket_mib * 2**20)), deadline=deadline)
         grads = reducer.averaged(grads)
     server = _server(cfg, parts, flat, run.workers, trace)
     bar = _progress(int(cfg.steps), bool(cfg.progress) and coll.rank == 0)
     evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar, guard_loss=_guard_loss(cfg))
     update = _replicas_resume(run, server, trace, evaluate)
-    with _keep_on_failure(_saver(run, server, trace) if coll.rank == 0 else None):
+    with _keep_on_failure(_saver(run, server, trace) if coll.rank == 0 else None, _grace(deadline)):
         run_allreduce(server, coll, grads, on_update=update, averaged=reducer is not None)
     if bar is not None:
         bar.close()
@@ -356,7 +357,7 @@ def _run_partial(run: _Launch) -> dict[str, Any] | None:
     bar = _progress(int(cfg.steps), bool(cfg.progress) and rank == 0)
     evaluate = Evaluator(flat, parts.data, trace, int(cfg.eval_every), bar, guard_loss=_guard_loss(cfg))
     update = _replicas_resume(run, server, trace, evaluate)
-    with _keep_on_failure(_saver(run, server, trace) if rank == 0 else None):
+    with _keep_on_failure(_saver(run, server, trace) if rank == 0 else None, _grace(parts.policy.deadline)):
         if rank == 0 and server.version == 0:
             evaluate(server)
         run_partial(server, pa, grads, on_update=update)
@@ -421,7 +422,7 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         if keeper is not None:
             between = lambda s: keeper.step(s.version, lambda: _state(s, trace, evaluate, {}))  # noqa: E731
         delay = model.slow_server * spec.time_scale * slow
-        with _keep_on_failure(save):
+        with _keep_on_failure(save, _grace(parts.policy.deadline)):
             run_server(server, shards.own, on_update=evaluate, publish_delay=delay, between=between)
         if shards.rank == 0 and bar is not None:
             bar.close()
@@ -430,7 +431,11 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         counts = {**check_trace(trace, parts.policy, workers), "last_update_s": applies[-1]["t"] if applies else 0.0}
         mine: Any = (server.params, server.ema, server.version, counts)
     else:
-        mailbox = shards.worker_mailbox(parts.policy.pull_fraction, parts.policy.pull_timeout)
+        # A worker gives up on a silent server after twice the deadline the server gives its workers, plus the time
+        # rank 0 may take to write the run folder after its own deadline fired (it publishes nothing meanwhile).
+        deadline = parts.policy.deadline
+        silence = None if deadline is None else 2 * deadline + _grace(deadline)
+        mailbox = shards.worker_mailbox(parts.policy.pull_fraction, parts.policy.pull_timeout, silence)
         worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
         if sent is not None:
             worker.steps, worker.clock = sent[0][mailbox.worker], sent[1][mailbox.worker]
@@ -454,9 +459,15 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
 
 
-# How long a rank other than rank 0 waits, after a deadline or divergence, before its error aborts the world: rank
-# 0 (whose deadline expires about as soon, or which meets the same divergence) writes the run folder meanwhile.
-_SAVE_GRACE_S = 5.0
+# How long rank 0 may take to write the run folder (evaluation, trace, plots) once a deadline fired, a divergence
+# or a signal stopped it: the other ranks wait that long before their own error aborts the world (rank 0 aborts it
+# as soon as it is done), and a worker waits that much longer than the deadlines on a silent server.
+_SAVE_GRACE_S = 30.0
+
+
+def _grace(deadline: float | None) -> float:
+    """`_SAVE_GRACE_S`, shorter where the user asked for short deadlines (they would rather fail fast)."""
+    return _SAVE_GRACE_S if deadline is None else min(_SAVE_GRACE_S, max(3.0, 3 * deadline))
 
 
 def _guard_loss(cfg: DictConfig) -> float | None:
@@ -535,16 +546,17 @@ def _restore(
 
 
 @contextlib.contextmanager
-def _keep_on_failure(save: Callable[[str], Any] | None) -> Iterator[None]:
+def _keep_on_failure(save: Callable[[str], Any] | None, grace: float = _SAVE_GRACE_S) -> Iterator[None]:
     """A deadline, a divergence or a signal ends the run (the error goes on to cli), but first `save(reason)`
-    writes what was trained (on rank 0); without `save` (other ranks), wait while rank 0 writes."""
+    writes what was trained (on rank 0); without `save` (other ranks), wait `grace` seconds while rank 0 writes
+    (it aborts the world when it is done, so the wait is that short unless rank 0 itself is what stopped)."""
     try:
         yield
     except (TimeoutError, Diverged, Preempted) as exc:
         if save is not None:
             save(str(exc))
         else:
-            time.sleep(_SAVE_GRACE_S)
+            time.sleep(grace)
         raise
 
 

@@ -20,6 +20,22 @@ from collsync.types import Flat
 DEFAULT_BUCKET_BYTES = 4 * 2**20
 
 
+def wait(request: Any, deadline: float | None, what: str) -> None:
+    """Wait for a nonblocking collective; with a `deadline` (seconds), raise TimeoutError once it has not
+    completed in that time: a rank stopped, hangs or died, and a collective cannot tell which (every rank's wait
+    fires, and the first to report aborts the world)."""
+    if deadline is None:
+        request.Wait()
+        return
+    from collsync.runtime.mpi_rma import Backoff
+
+    end, backoff = time.monotonic() + deadline, Backoff()
+    while not request.Test():
+        if time.monotonic() >= end:
+            raise TimeoutError(f"{what} did not complete within deadline={deadline:g}s: a rank stopped, hangs or died")
+        backoff.wait()
+
+
 class MpiCollective:
     """`Collective` over an MPI communicator.
 
@@ -27,16 +43,20 @@ class MpiCollective:
     reads and writes torch's buffer directly and no copy is made.
     """
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, deadline: float | None = None) -> None:
         self.comm = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
+        self.deadline = deadline  # seconds an allreduce may take before a rank counts as stopped (None: no limit)
 
     def allreduce_mean(self, flat: Flat) -> Flat:
         from mpi4py import MPI
 
         buf = flat.detach().contiguous()
-        self.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+        if self.deadline is None:
+            self.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+        else:
+            wait(self.comm.Iallreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM), self.deadline, "an allreduce")
         return buf.div_(self.size)
 
     def broadcast(self, flat: Flat, root: int = 0) -> Flat:
@@ -92,7 +112,13 @@ class BucketReducer:
     """
 
     def __init__(
-        self, comm: Any, flat: FlatModel, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, poll: bool = True
+        self,
+        comm: Any,
+        flat: FlatModel,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        poll: bool = True,
+        deadline: float | None = None,
     ) -> None:
         from mpi4py import MPI
 
@@ -105,6 +131,7 @@ class BucketReducer:
         self.flat = flat
         self.size: int = comm.Get_size()
         self.poll = poll
+        self.deadline = deadline  # seconds a bucket may take before a rank counts as stopped (None: no limit)
         item = flat.grads.element_size()
         # Buckets over parameter indices, last parameter first; bucket b spans flat.grads[starts[b]:stops[b]].
         self.buckets: list[list[int]] = []
@@ -177,7 +204,7 @@ class BucketReducer:
         while self._next < len(self.buckets):
             self._start(self._next)
         for request, view in zip(self._requests, self._views, strict=True):
-            request.Wait()
+            wait(request, self.deadline, "a gradient bucket's allreduce")
             if self.size > 1:
                 view.div_(self.size)
         self._requests = []

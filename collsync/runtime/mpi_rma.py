@@ -147,6 +147,9 @@ class WindowMailbox(Windows):
         self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
         self._sent = False  # worker: a push whose slot the server has not freed yet
         self._backoff = Backoff()
+        # Worker: give up once the server has shown no sign of life (no publish, our push not taken) for this long.
+        self.silence: float | None = None
+        self._heard = (-1, time.monotonic())  # (the last header seq seen, when it was first seen)
         self.bytes_pushed = 0
         self.bytes_fetched = 0
 
@@ -180,7 +183,26 @@ class WindowMailbox(Windows):
             stamp = self.try_read(out, ready, fetch)
             if stamp is not None:
                 return stamp
+            self.check_alive()
             backoff.wait()
+
+    def check_alive(self) -> None:
+        """Worker: raise TimeoutError, naming the server's rank and host, once it has published nothing for
+        `silence` seconds. The server's own deadline ends a run stuck on a worker well before that (`silence` is
+        more than twice it), so this fires only when the server itself stopped, hangs or died."""
+        if self.silence is None:
+            return
+        seq, since = self._heard
+        if time.monotonic() - since >= self.silence:
+            host = f" on {self.hosts[self.server]}" if self.hosts is not None else ""
+            raise TimeoutError(
+                f"worker {self.worker}: no word from the server, rank {self.server}{host}, for {self.silence:g}s "
+                f"(it stopped, hangs or died; at last seen step {int(self._hdr[1])})"
+            )
+
+    def _saw(self, seq: int) -> None:
+        if seq != self._heard[0]:
+            self._heard = (seq, time.monotonic())
 
     def try_read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp | None:
         """One look: None if nothing is published or the stamp is not `ready` (then `out` is untouched); else the
@@ -190,6 +212,7 @@ class WindowMailbox(Windows):
         torn = False  # `out` holds a copy torn by a publish: retry until it is clean, never hand it back as is
         while True:
             seq, version, done, v = (int(x) for x in self._load_header())
+            self._saw(seq)
             if seq % 2 and torn:
                 self._backoff.wait()
                 continue
@@ -241,6 +264,8 @@ class WindowMailbox(Windows):
         slot = self._slot(self.worker)
         self._backoff.reset()
         while self._load(slot) != 0:
+            self._saw(int(self._load_header()[0]))
+            self.check_alive()
             self._backoff.wait()
         if arrival.grad is not None:
             grad = arrival.grad.detach().to(self.dtype).contiguous().numpy()

@@ -102,6 +102,9 @@ class ShardedMailbox:
                 break
             if enough and enough_since is None:
                 enough_since = time.monotonic()
+            for j, shard in enumerate(self.shards):
+                if j not in got:
+                    shard.check_alive()
             self._backoff.wait()
         if len(got) < len(self.shards):
             self.partial_reads += 1
@@ -193,7 +196,13 @@ class Shards:
         """The mailbox of the shard this rank serves."""
         return self.mailboxes[self.rank]
 
-    def worker_mailbox(self, pull_fraction: float = 1.0, pull_timeout: float | None = None) -> ShardedMailbox:
+    def worker_mailbox(
+        self, pull_fraction: float = 1.0, pull_timeout: float | None = None, silence: float | None = None
+    ) -> ShardedMailbox:
+        """The workers' side. `silence`: how long a worker waits on a server that shows no sign of life before it
+        fails naming that server's rank and host (None: for ever)."""
+        for mailbox in self.mailboxes:
+            mailbox.silence = silence
         return ShardedMailbox(self.mailboxes, self.bounds, pull_fraction, pull_timeout)
 
     def snapshot(self, out: Flat) -> Flat:

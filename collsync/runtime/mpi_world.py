@@ -81,6 +81,8 @@ def abort(comm: Any, code: int) -> None:
     sys.stderr.flush()
     time.sleep(ABORT_GRACE_S)
     comm.Abort(code)
+    # Abort returns only where the world is already being torn down (another rank aborted first): leave anyway.
+    os._exit(code)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,166 @@
+"""Faults under the venv's own mpiexec: a rank killed (SIGKILL) or stopped (SIGSTOP), a worker or server rank 0, in
+each MPI runtime, and a run stopped by SIGTERM. Each ends within a bound, says which rank on which host where it
+can know, and leaves what it promises on disk: the last checkpoint loadable, or the run folder marked incomplete;
+a run stopped by a signal resumes from its checkpoint and ends bit for bit where an uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from collsync import checkpoint
+from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids, command
+
+pytestmark = [
+    pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)"),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a rank's process through /proc"),
+]
+
+FAST = ["sync.deadline=2", "checkpoint.every=10", "eval_every=50"]
+
+
+def _hit_once_checkpointed(tmp_path: Path, ranks: int, rank: int, sig: int, *overrides: str) -> tuple[int, str, float]:
+    """Launch, wait for the first checkpoint, send `sig` to rank `rank`; return (exit status, stderr, seconds from
+    the signal to the end of the job). A stopped rank is killed at the end whatever happened."""
+    proc = subprocess.Popen(
+        command(tmp_path, ranks, *FAST, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    ckpt = tmp_path / "run" / checkpoint.NAME
+    pids: list[int] = []
+    try:
+        end = time.monotonic() + 120
+        while not ckpt.exists() and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.05)
+        assert ckpt.exists(), proc.communicate(timeout=60)[1][-2000:]
+        pids = _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", rank)
+        assert pids, f"rank {rank} not found"
+        hit = time.monotonic()
+        for pid in pids:
+            os.kill(pid, sig)
+        _, err = proc.communicate(timeout=120)
+        return proc.returncode, err, time.monotonic() - hit
+    finally:
+        for pid in pids:
+            for again in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, again)
+                except OSError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _loadable(tmp_path: Path) -> dict:
+    saved = checkpoint.load(tmp_path / "run" / checkpoint.NAME)
+    assert saved["version"] >= 10 and saved["version"] % 10 == 0
+    return saved
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rank"),
+    [
+        (["runtime=mpi", "sync=async", "optimizer=sgd", "steps=100000"], 2),
+        (["runtime=mpi", "sync=bsp", "steps=100000"], 0),
+        (["runtime=allreduce", "sync=bsp", "steps=100000"], 1),
+    ],
+    ids=["mpi-worker", "mpi-server", "allreduce-rank1"],
+)
+def test_a_killed_rank_ends_the_job_at_once_and_the_last_checkpoint_resumes(tmp_path, overrides, rank):
+    code, err, took = _hit_once_checkpointed(tmp_path, 3, rank, signal.SIGKILL, *overrides)
+    assert code != 0 and took < 15, (code, took, err[-1500:])
+    saved = _loadable(tmp_path)
+    # The checkpoint a killed job left goes on (a few more steps here).
+    more = [o for o in overrides if not o.startswith("steps=")] + [f"steps={saved['version'] + 5}"]
+    proc = subprocess.run(
+        command(tmp_path / "again", 3, *FAST, *more, f"resume={tmp_path / 'run'}"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed = [json.loads(x) for x in (tmp_path / "again" / "run" / "trace.jsonl").open() if '"resume"' in x]
+    assert [e["version"] for e in resumed] == [saved["version"]]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rank", "says"),
+    [
+        (["runtime=mpi", "sync=async", "optimizer=sgd", "steps=100000"], 0, "no word from the server, rank 0 on "),
+        (["runtime=allreduce", "sync=bsp", "steps=100000"], 0, "allreduce did not complete within deadline=2s"),
+        (["runtime=allreduce", "sync=bsp", "steps=100000"], 2, "allreduce did not complete within deadline=2s"),
+    ],
+    ids=["mpi-server", "allreduce-rank0", "allreduce-rank2"],
+)
+def test_a_stopped_rank_ends_the_job_within_its_deadline(tmp_path, overrides, rank, says):
+    """SIGSTOP: the others notice by the deadline (workers give a silent server twice the deadline plus the time
+    rank 0 may take to write), print one line, and the job ends; rank 0 alive writes the run folder."""
+    code, err, took = _hit_once_checkpointed(tmp_path, 3, rank, signal.SIGSTOP, *overrides)
+    assert code != 0, err[-1500:]
+    assert says in err, err[-1500:]
+    assert took < 40, took
+    _loadable(tmp_path)
+    if rank != 0:
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert says in summary["incomplete"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["runtime=mpi", "sync=bsp"], ["runtime=allreduce", "sync=bsp"]],
+    ids=["mpi-bsp", "allreduce"],
+)
+def test_sigterm_checkpoints_and_the_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, overrides):
+    """SIGTERM to every rank (as Slurm sends it): the job writes a checkpoint and the run folder and exits 143
+    within seconds; resumed to the same number of steps, it ends equal to a run never stopped."""
+    steps = 400
+    code, err, took = _terminate_all(tmp_path / "stopped", overrides, steps)
+    assert code == 128 + signal.SIGTERM, err[-1500:]
+    assert "stopped by SIGTERM at server step" in err and took < 30, (took, err[-1500:])
+    stopped_at = torch.load(tmp_path / "stopped" / "run" / checkpoint.NAME, weights_only=True)["version"]
+    assert 0 < stopped_at < steps
+    summary = json.loads((tmp_path / "stopped" / "run" / "summary.json").read_text())
+    assert summary["incomplete"].startswith("stopped by SIGTERM")
+    run = [*FAST, *overrides, f"steps={steps}"]
+    resumed = subprocess.run(
+        command(tmp_path / "stopped", 3, *run, "resume=auto"), capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    plain = subprocess.run(command(tmp_path / "plain", 3, *run), capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    a = torch.load(tmp_path / "stopped" / "run" / "params.pt", weights_only=False)
+    b = torch.load(tmp_path / "plain" / "run" / "params.pt", weights_only=False)
+    assert a["version"] == b["version"] == steps
+    assert torch.equal(a["params"], b["params"]), f"resumed at {stopped_at}: not the uninterrupted run"
+
+
+def _terminate_all(tmp_path: Path, overrides: list[str], steps: int) -> tuple[int, str, float]:
+    """Launch, wait for the first checkpoint, SIGTERM every rank at once."""
+    proc = subprocess.Popen(
+        command(tmp_path, 3, *FAST, *overrides, f"steps={steps}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        end = time.monotonic() + 120
+        while not (tmp_path / "run" / checkpoint.NAME).exists() and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before the signal: make it longer"
+        hit = time.monotonic()
+        for rank in range(3):
+            for pid in _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", rank):
+                os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        return proc.returncode, err, time.monotonic() - hit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
