@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from collsync.specsync import Speculation
+
 
 @dataclass(frozen=True)
 class SyncPolicy:
@@ -41,6 +43,7 @@ class SyncPolicy:
     pull_fraction: float = 1.0
     pull_timeout: float | None = None
     push_fraction: float | None = None
+    speculation: Speculation | None = None  # SpecSync (004_...): naive waiting, scheduler re-syncs and aborts
 
     def __post_init__(self) -> None:
         if self.backups < 0:
@@ -71,6 +74,11 @@ class SyncPolicy:
                 raise ValueError(f"{self.name}: {key}={value!r} must be >= 0")
             if value is not None and self.rounds:
                 raise ValueError(f"{self.name}: {key} (B-FASGD) needs an asynchronous policy (sync=async)")
+        if self.speculation is not None and (self.bandwidth_aware or self.quorum not in (None, 1) or self.backups):
+            raise ValueError(
+                f"{self.name}: speculation runs over ASP (quorum 1) or SSP; got quorum={self.quorum}, "
+                f"backups={self.backups}, c_push={self.c_push}, c_fetch={self.c_fetch}"
+            )
         # Timeouts are ordered: collecting (tau1) and pulling (tau2) give up on stragglers long before the deadline
         # that declares the run stuck.
         for key in ("timeout", "pull_timeout"):
@@ -199,3 +207,32 @@ def psp(
         pull_timeout=pull_timeout,
         deadline=deadline,
     )
+
+
+def specsync(
+    base: str = "async",
+    max_lead: int | None = None,
+    abort_time: float | None = None,
+    abort_rate: float | None = None,
+    adaptive: bool = True,
+    wait: float = 0.0,
+    deadline: float | None = DEADLINE,
+) -> SyncPolicy:
+    """SpecSync (004_..., Alg. 1-2) over ASP (`base="async"`) or SSP (`base="ssp"`, bound `max_lead`, 3 if null).
+
+    After each push a worker notifies the scheduler (`collsync.specsync.Scheduler`); a worker whose speculation
+    period of `abort_time` seconds saw more than m x `abort_rate` pushes of the others is told to re-sync: it aborts
+    its gradient, pulls fresh parameters and starts the batch over. `adaptive=true` is SpecSync-Adaptive (both tuned
+    each epoch by Alg. 1; leave them null), `adaptive=false` with both set is SpecSync-Cherrypick. `wait` > 0 is
+    naive waiting (§III-B: each pull deferred by that many seconds); with `adaptive=false` and no abort_time, it is
+    naive waiting alone.
+    """
+    speculation = Speculation(abort_time=abort_time, abort_rate=abort_rate, adaptive=adaptive, wait=wait)
+    if base == "async":
+        if max_lead is not None:
+            raise ValueError(f"specsync: max_lead={max_lead} bounds SSP's lead; it needs base=ssp, not base={base}")
+        return SyncPolicy("specsync", rounds=False, quorum=1, max_lead=None, deadline=deadline, speculation=speculation)
+    if base == "ssp":
+        lead = 3 if max_lead is None else max_lead
+        return SyncPolicy("specsync", max_lead=lead, deadline=deadline, speculation=speculation)
+    raise ValueError(f"specsync: base={base!r} must be 'async' or 'ssp'")
