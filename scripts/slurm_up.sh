@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Start a single-node Slurm cluster on this machine for tests/slurm (and for trying slurm/*.sbatch by hand).
+#
+#   bash scripts/slurm_up.sh [DIR]     # DIR: scratch folder, default $COLLSYNC_SLURM_DIR or /tmp/collsync-slurm
+#   source DIR/env.sh                  # SLURM_CONF and the `sacct` stand-in on PATH, for sbatch / srun / submitit
+#   bash scripts/slurm_down.sh [DIR]   # stops what this script started, by PID
+#
+# Needs root and apt-get (installs Debian's slurmctld, slurmd, slurm-client and munge when missing, quietly). Runs
+# munged, slurmctld and slurmd in the background without systemd or cgroups, writes slurm.conf, logs, state and
+# PIDs under DIR, and waits (at most COLLSYNC_SLURM_WAIT_S, default 60 s) until `sinfo` shows the node idle.
+# Idempotent: when DIR's cluster already answers, it only says so. On failure it prints one line, writes the same
+# line to DIR/unavailable (tests/slurm skip with it as the reason) and exits 1.
+#
+# The cluster: one node named after this host with all its CPUs, one partition, no accounting. Finished jobs stay
+# visible to `squeue -t all` and `scontrol show job` for a day (MinJobAge), which the `sacct` stand-in reads:
+# submitit asks `sacct` for job states and would poll for ever on a cluster without accounting. MpiDefault=none as
+# on most clusters, so the scripts must ask for `--mpi=pmi2` themselves (the mpich wheel speaks PMI-2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:-${COLLSYNC_SLURM_DIR:-/tmp/collsync-slurm}}
+WAIT_S=${COLLSYNC_SLURM_WAIT_S:-60}
+mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)
+rm -f "$DIR/unavailable"
+
+fail() {
+    echo "slurm_up: $*" | tee "$DIR/unavailable" >&2
+    exit 1
+}
+
+# The node answers idle (asked only while our slurmctld runs: sinfo waits 10 s for a controller that is not there).
+up() {
+    local pid
+    pid=$(cat "$DIR/slurmctld.pid" 2>/dev/null) || return 1
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmctld ] || return 1
+    SLURM_CONF="$DIR/slurm.conf" timeout 10 sinfo -h -o '%T' 2>/dev/null | grep -qx idle
+}
+
+if up; then
+    echo "slurm_up: already running ($DIR)"
+    exit 0
+fi
+
+[ "$(id -u)" = 0 ] || fail "needs root to install and run the Slurm daemons (uid is $(id -u))"
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
+    || ! command -v munged >/dev/null; then
+    command -v apt-get >/dev/null || fail "Slurm is not installed and there is no apt-get to install it"
+    packages=(slurmctld slurmd slurm-client munge)
+    export DEBIAN_FRONTEND=noninteractive
+    # A fresh machine may have no package lists yet: update only when the install without them fails.
+    apt-get install -y -q --no-install-recommends "${packages[@]}" >"$DIR/apt.log" 2>&1 \
+        || { apt-get update -q >>"$DIR/apt.log" 2>&1 \
+            && apt-get install -y -q --no-install-recommends "${packages[@]}" >>"$DIR/apt.log" 2>&1; } \
+        || fail "apt-get install ${packages[*]} failed (see $DIR/apt.log)"
+fi
+
+host=$(hostname -s)
+cpus=$(nproc)
+# A fresh cluster every time: no jobs or node states left from an earlier one.
+rm -rf "$DIR/state" "$DIR/spool"
+mkdir -p "$DIR/state" "$DIR/spool" "$DIR/bin"
+cat >"$DIR/slurm.conf" <<EOF
+# Written by scripts/slurm_up.sh: a single-node cluster for tests (no systemd, no cgroups, no accounting).
+ClusterName=collsync
+SlurmctldHost=$host
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+SlurmctldPort=${COLLSYNC_SLURMCTLD_PORT:-6817}
+SlurmdPort=${COLLSYNC_SLURMD_PORT:-6818}
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool
+SlurmctldPidFile=$DIR/state/slurmctld.pid
+SlurmdPidFile=$DIR/spool/slurmd.pid
+SlurmctldLogFile=$DIR/slurmctld.log
+SlurmdLogFile=$DIR/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+MinJobAge=86400
+SchedulerParameters=sched_interval=1
+# A failed MPI step is killed (SIGKILL) this many seconds after SIGTERM; the default 30 s slows every failing test.
+KillWait=5
+NodeName=$host CPUs=$cpus State=UNKNOWN
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+EOF
+
+# submitit's job watcher runs `sacct -o JobID,State,NodeList --parsable2 -j ID ...`; without accounting this stand-in
+# answers the same columns from the controller's memory of recent jobs.
+cat >"$DIR/bin/sacct" <<'EOF'
+#!/usr/bin/env bash
+# A `sacct` stand-in for a cluster without accounting: JobID|State|NodeList of the jobs the controller still knows.
+echo "JobID|State|NodeList"
+squeue -t all -h -o '%i|%T|%N'
+EOF
+chmod +x "$DIR/bin/sacct"
+cat >"$DIR/env.sh" <<EOF
+export SLURM_CONF=$DIR/slurm.conf
+export PATH=$DIR/bin:\$PATH
+EOF
+
+# munged refuses to run as root; reuse one that already answers (the system's), else start ours.
+if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    mkdir -p /run/munge /var/log/munge /var/lib/munge
+    chown munge:munge /run/munge /var/log/munge /var/lib/munge
+    [ -f /etc/munge/munge.key ] || { mungekey --create --keyfile=/etc/munge/munge.key && chown munge:munge /etc/munge/munge.key; }
+    runuser -u munge -- munged || fail "munged did not start"
+    cp /run/munge/munged.pid "$DIR/munged.pid"
+fi
+
+export SLURM_CONF="$DIR/slurm.conf"
+# -D: stay in the foreground of a background job, so the PID recorded is the daemon's own.
+setsid slurmctld -D -i -f "$SLURM_CONF" >>"$DIR/slurmctld.out" 2>&1 </dev/null &
+echo $! >"$DIR/slurmctld.pid"
+setsid slurmd -D -f "$SLURM_CONF" >>"$DIR/slurmd.out" 2>&1 </dev/null &
+echo $! >"$DIR/slurmd.pid"
+
+deadline=$((SECONDS + WAIT_S))
+until up; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+        state=$(sinfo -h -o '%T' 2>/dev/null | head -1)
+        bash scripts/slurm_down.sh "$DIR" >/dev/null 2>&1 || true
+        fail "the node was not idle within ${WAIT_S} s (sinfo: ${state:-no answer}; see $DIR/slurmctld.log)"
+    fi
+    sleep 0.2
+done
+echo "slurm_up: node $host idle with $cpus CPUs in $SECONDS s (SLURM_CONF=$DIR/slurm.conf)"
