@@ -82,10 +82,17 @@ def _dataset(
     )
 
 
+def _check_seed(name: str, seed: int) -> None:
+    # numpy's generators take seeds >= 0 only, and say so without naming the key.
+    if seed < 0:
+        raise ValueError(f"{name}: {seed=} must be >= 0")
+
+
 def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, classes: int) -> Dataset:
     """A seeded (not stratified) split: a permutation from `seed`, the first round(rows * test_fraction) to test."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"{name}: {test_fraction=} must be in (0, 1)")
+    _check_seed(name, seed)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(y))
     n_test = max(1, int(round(len(y) * test_fraction)))
@@ -131,6 +138,7 @@ def synthetic(
         raise ValueError(f"synthetic: {samples=} must be >= 2 * classes={2 * classes}")
     if not noise >= 0:
         raise ValueError(f"synthetic: {noise=} must be >= 0")
+    _check_seed("synthetic", seed)
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(classes, features)) / np.sqrt(features) * 2.0
     y = rng.integers(0, classes, size=samples)

@@ -51,6 +51,8 @@ class RunConfig:
     guard_loss: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.seed < 0:  # the straggler draws and the data order seed numpy generators, which take seeds >= 0
+            raise ConfigError(f"seed={self.seed} must be >= 0")
         for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")

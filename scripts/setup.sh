@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or update) the project's virtual environment in .venv: collsync in editable mode, the CPU build of torch
-# pinned by constraints.txt, MPI from PyPI (the mpich wheel: mpiexec lands in .venv/bin), the test tools, and
-# Hydra's submitit launcher (the `slurm` extra: Slurm sweeps, tests/slurm; a few seconds).
+# pinned by constraints.txt, MPI from PyPI (the mpich wheel: mpiexec lands in .venv/bin), the test tools (pytest,
+# hypothesis for the config fuzzing, ruff), and Hydra's submitit launcher (the `slurm` extra: Slurm sweeps,
+# tests/slurm; a few seconds).
 # Idempotent: a second run only checks what is installed. Pass extra pip arguments after the script name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,4 +14,4 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 echo "collsync setup: installing collsync[mpich,dev,slurm] (torch pinned by constraints.txt)"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[mpich,dev,slurm]" "$@"
-.venv/bin/python -c "import torch, mpi4py, collsync; print(f'collsync setup: ok (torch {torch.__version__}, mpi4py {mpi4py.__version__})')"
+.venv/bin/python -c "import torch, mpi4py, hypothesis, collsync; print(f'collsync setup: ok (torch {torch.__version__}, mpi4py {mpi4py.__version__})')"
