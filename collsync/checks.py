@@ -22,7 +22,10 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
       one: 1 to `quorum`);
     * rounds: an update aggregates only gradients of its own round, each worker at most once; a worker starts
       round c only on version >= c - max_lead;
-    * staleness is never negative.
+    * staleness is never negative;
+    * SpecSync: `abort` events only under a policy that speculates, each with `wasted` >= 0 seconds; where the trace
+      has `start` events (the simulator), an abort ends that worker's gradient under way (same round and version,
+      `wasted` = the time since its start) and the worker's next start is on a strictly newer version.
     """
     events = trace.events if isinstance(trace, Trace) else list(trace)
     errors: list[str] = []
@@ -33,6 +36,9 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
     pushed: Counter[tuple[int, int, int]] = Counter()
     settled: Counter[tuple[int, int, int]] = Counter()
     last_t, updates = float("-inf"), 0
+    speculates = policy.speculation is not None and policy.speculation.speculates
+    under_way: dict[int, Event] = {}  # each worker's last start (the simulator traces them)
+    aborted: dict[int, Event] = {}  # workers whose next start must be on a newer version
     for e in events:
         if e["t"] < last_t:
             errors.append(f"time goes backwards at {e}")
@@ -42,8 +48,18 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
             pushed[(e["worker"], e["clock"], e["version"])] += 1
         elif ev == "drop":
             settled[(e["worker"], e["clock"], e["version"])] += 1
-        elif ev == "start" and policy.rounds and e["clock"] - e["version"] > (policy.max_lead or 0):
-            errors.append(f"worker {e['worker']} started round {e['clock']} on version {e['version']}: lead too large")
+        elif ev == "start":
+            if policy.rounds and e["clock"] - e["version"] > (policy.max_lead or 0):
+                errors.append(
+                    f"worker {e['worker']} started round {e['clock']} on version {e['version']}: lead too large"
+                )
+            gone = aborted.pop(e["worker"], None)
+            if gone is not None and not e["version"] > gone["version"]:
+                errors.append(f"worker {e['worker']} restarted on version {e['version']} after an abort on it: {gone}")
+            under_way[e["worker"]] = e
+        elif ev == "abort":
+            errors.extend(_check_abort(e, under_way.pop(e["worker"], None), speculates, workers))
+            aborted[e["worker"]] = e
         elif ev == "apply":
             updates += 1
             if e["version"] != updates:
@@ -76,3 +92,18 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
         "dropped": sum(1 for e in events if e["ev"] == "drop"),
         "updates": updates,
     }
+
+
+def _check_abort(e: Event, start: Event | None, speculates: bool, workers: int) -> list[str]:
+    """An `abort` event's own invariants, and against the start it ended where the trace has starts."""
+    errors = []
+    if not speculates:
+        errors.append(f"an abort under a policy that does not speculate: {e}")
+    if not (0 <= e["worker"] < workers and e["wasted"] >= 0):
+        errors.append(f"abort of an unknown worker or with negative wasted time: {e}")
+    if start is not None:
+        if (start["clock"], start["version"]) != (e["clock"], e["version"]):
+            errors.append(f"abort {e} does not match the gradient under way {start}")
+        if abs((e["t"] - start["t"]) - e["wasted"]) > 1e-9 * max(1.0, abs(e["t"])):
+            errors.append(f"abort {e} wasted {e['wasted']} s, not the {e['t'] - start['t']} s since its start")
+    return errors

@@ -106,6 +106,15 @@ class Worker:
             self.fetches += 1
         return self.clock
 
+    def restart(self, stamp: Stamp) -> int:
+        """SpecSync (004_... Alg. 2, worker lines 5-7): the gradient under way was aborted on a re-sync; start the
+        same batch over on the fresher parameters at `stamp`. Its round stays (a round policy's gradient is still for
+        the round it was started for, unless that round was already applied); returns the round."""
+        self.version = stamp.version
+        self.fetches += 1
+        self.clock = max(self.clock, stamp.version) if self.policy.rounds else stamp.version
+        return self.clock
+
     def arrival(self, grad: Flat) -> Arrival:
         """Wrap the finished gradient for the server (without it, when B-FASGD skips the push)."""
         push = self.will_push()

@@ -6,6 +6,12 @@ from a seeded straggler model (`collsync.stragglers`), and events are processed 
 
 The gradient itself is computed, for real, when a worker starts (on the parameters it read then); only its arrival
 waits for the virtual clock. Same seed, same config -> bit-identical parameters and trace (the FRED idea of 002_...).
+
+SpecSync (`policy.speculation`, 004_... Alg. 2) runs on the same clock: a worker's start after a push is its
+notify to the `collsync.specsync.Scheduler`; the scheduler's timers are events; a re-sync reaches the worker at
+once, and if it is still computing and the server has a newer version, its gradient is aborted (its push event
+cancelled, an `abort` event traced with the compute thrown away) and the same batch restarts on fresh parameters,
+taking its whole compute time again. Naive waiting defers every start after a push by `wait` seconds.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from typing import Any
 from collsync.loops import GradFn, Worker
 from collsync.policy import SyncPolicy
 from collsync.server import Server
+from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Scheduler
 from collsync.trace import Trace
 from collsync.types import Arrival, Flat
 
-_PUSH, _TIMEOUT, _WAKE = 0, 1, 2
+_PUSH, _TIMEOUT, _WAKE, _TIMER, _PULL = 0, 1, 2, 3, 4  # _TIMER: SpecSync's scheduler; _PULL: naive waiting
 
 
 class Deadlock(RuntimeError):
@@ -50,6 +57,14 @@ class Simulator:
         self._waiting: set[int] = set()  # held back by the policy until the next update
         self._frozen_set: set[int] = set()  # frozen by the straggler model
         self._busy_until = 0.0  # a slow server's end of its last update
+        # SpecSync (set up by `run` or `load_state_dict` when the policy speculates or waits).
+        self.scheduler: Scheduler | None = None
+        self._current: list[list[float] | None] = [None] * workers  # computing: [start time, push event's seq]
+        self._tag = [0] * workers  # the scheduler's iteration of each worker's gradient under way
+        self._cancelled: set[int] = set()  # seqs of the push events of aborted gradients
+        self._pull_at = [0.0] * workers  # naive waiting: no pull before this time
+        self._deferred: set[int] = set()  # workers with a _PULL event pending
+        self.spec_stats = {"aborts": 0, "wasted_s": 0.0, "resyncs_ignored": 0}
 
     def _schedule(self, t: float, kind: int, worker: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, worker, payload))
@@ -81,6 +96,7 @@ class Simulator:
             raise ValueError("runtime: build the Server with trace=simulator.trace so events carry simulated time")
         self._server, self._grads = server, grads
         if self._workers is None:
+            self._speculate(server.policy)
             self._workers = [Worker(w, server.policy, seed=self.seed) for w in range(self.workers)]
             for w in range(self.workers):
                 self._try_start(w)
@@ -88,8 +104,23 @@ class Simulator:
         while self._heap:
             if between is not None and not server.done:
                 between()
-            t, _, kind, w, payload = heapq.heappop(self._heap)
+            t, seq, kind, w, payload = heapq.heappop(self._heap)
             self.now = t
+            if kind == _PUSH and seq in self._cancelled:
+                self._cancelled.discard(seq)  # an aborted gradient: it never leaves its worker
+                continue
+            if kind == _PUSH and self._current[w] is not None and self._current[w][1] == seq:
+                self._current[w] = None  # its computation is over: a re-sync now comes too late to abort it
+                if self.scheduler is not None:
+                    self._pull_at[w] = t + self.scheduler.speculation.wait
+            if kind == _TIMER:
+                if not server.done:
+                    self._resync(server)
+                continue
+            if kind == _PULL:
+                self._deferred.discard(w)
+                self._try_start(w)
+                continue
             if kind == _PUSH and t < self._busy_until:
                 # A slow server is still busy with its last update: the gradient waits for it, in arrival order.
                 self._schedule(self._busy_until, _PUSH, w, payload)
@@ -134,7 +165,13 @@ class Simulator:
     def _try_start(self, w: int) -> None:
         server, worker = self._server, self._workers[w]
         stamp = server.stamp()
-        if stamp.done:
+        if stamp.done or self._current[w] is not None:
+            return
+        if self._pull_at[w] > self.now:
+            # Naive waiting (004_... §III-B): the pull after a push is deferred by `wait`.
+            if w not in self._deferred:
+                self._deferred.add(w)
+                self._schedule(self._pull_at[w], _PULL, w, None)
             return
         if not worker.ready(stamp):
             self._waiting.add(w)
@@ -149,11 +186,77 @@ class Simulator:
             self._held[w] = server.view().clone() if server.policy.c_fetch is not None else server.view()
         extra = {"fetched": fetch} if server.policy.bandwidth_aware else {}
         self.trace.record("start", worker=w, clock=clock, version=worker.version, **extra)
+        if self.scheduler is not None and worker.steps > 0:
+            # Alg. 2, worker lines 8-10: push, pull, then notify; the scheduler opens this worker's period.
+            self.scheduler.notify(w, self.now)
+            self._tag[w] = self.scheduler.iteration[w]
+            due = self.scheduler.timers[w]
+            if due is not None:
+                self._schedule(due, _TIMER, w, None)
+        self._compute(w)
+
+    def _compute(self, w: int) -> None:
+        """Compute worker w's next gradient on what it holds; its push lands after the drawn compute time."""
+        worker = self._workers[w]
         index = worker.steps
         params = self._held[w]
         assert params is not None  # a worker's first opportunity always fetches
         arrival = worker.arrival(self._grads(params, w, index))
+        self._current[w] = [self.now, self._seq]
         self._schedule(self.now + self._compute_time(w, index), _PUSH, w, arrival)
+
+    def _speculate(self, policy: SyncPolicy) -> None:
+        """A scheduler for a policy that speculates or waits (SpecSync), none otherwise."""
+        spec = policy.speculation
+        self.scheduler = Scheduler(self.workers, spec) if spec is not None else None
+
+    def _resync(self, server: Server) -> None:
+        """Fire the scheduler's timers due now; each re-sync aborts a gradient still under way on a version older
+        than the server's (a re-sync that would restart on the same parameters gains nothing: it is ignored)."""
+        assert self.scheduler is not None
+        for w, iteration in self.scheduler.expire(self.now):
+            current, worker = self._current[w], self._workers[w]
+            if current is None or self._tag[w] != iteration or server.stamp().version <= worker.version:
+                self.spec_stats["resyncs_ignored"] += 1
+                continue
+            started, seq = current
+            self._cancelled.add(int(seq))
+            self._current[w] = None
+            worker.steps -= 1  # the aborted gradient was never sent: its batch is computed again
+            wasted = self.now - started
+            self.spec_stats["aborts"] += 1
+            self.spec_stats["wasted_s"] += wasted
+            self.trace.record("abort", worker=w, clock=worker.clock, version=worker.version, wasted=wasted)
+            clock = worker.restart(server.stamp())
+            self._held[w] = server.view()
+            self.trace.record("start", worker=w, clock=clock, version=worker.version, restart=True)
+            self._compute(w)
+
+    def specsync_summary(self, numel: int, itemsize: int = 4) -> dict[str, Any]:
+        """SpecSync's counts and the paper's Fig. 13 breakdown of bytes moved: pushes and pulls (as without
+        SpecSync), the re-sync pulls, and the notify / re-sync messages. Empty when the policy does not speculate."""
+        if self.scheduler is None:
+            return {}
+        starts = self.trace.of("start")
+        pushes = sum(1 for e in self.trace.events if e["ev"] == "push")
+        restarts = sum(1 for e in starts if e.get("restart"))
+        sched = self.scheduler
+        return {
+            "specsync": {
+                **self.spec_stats,
+                "notifies": sched.notifies,
+                "resyncs": sched.resyncs,
+                "abort_time": sched.abort_time,
+                "abort_rate": sched.abort_rate,
+                "tunings": len(sched.tunings),
+                "bytes": {
+                    "push": pushes * numel * itemsize,
+                    "pull": (len(starts) - restarts) * numel * itemsize,
+                    "resync_pull": restarts * numel * itemsize,
+                    "notify": sched.notifies * NOTIFY_BYTES + sched.resyncs * RESYNC_BYTES,
+                },
+            }
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The simulation between two events, in plain types (for a checkpoint; the server's state is its own)."""
@@ -172,6 +275,17 @@ class Simulator:
             "waiting": sorted(self._waiting),
             "frozen": sorted(self._frozen_set),
             "busy_until": self._busy_until,
+            "specsync": None
+            if self.scheduler is None
+            else {
+                "scheduler": self.scheduler.state_dict(),
+                "current": [list(c) if c is not None else None for c in self._current],
+                "tag": list(self._tag),
+                "cancelled": sorted(self._cancelled),
+                "pull_at": list(self._pull_at),
+                "deferred": sorted(self._deferred),
+                "stats": dict(self.spec_stats),
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any], policy: SyncPolicy) -> None:
@@ -190,6 +304,14 @@ class Simulator:
         self._held = list(state["held"])
         self._waiting, self._frozen_set = set(state["waiting"]), set(state["frozen"])
         self._busy_until = float(state["busy_until"])
+        self._speculate(policy)
+        spec = state.get("specsync")
+        if self.scheduler is not None and spec is not None:
+            self.scheduler.load_state_dict(spec["scheduler"])
+            self._current = [list(c) if c is not None else None for c in spec["current"]]
+            self._tag, self._cancelled = list(spec["tag"]), set(spec["cancelled"])
+            self._pull_at, self._deferred = list(spec["pull_at"]), set(spec["deferred"])
+            self.spec_stats = dict(spec["stats"])
 
     def _arm_timeout(self, server: Server) -> None:
         fires = server.arm(self.now)

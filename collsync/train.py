@@ -226,7 +226,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
             sim.run(server, grads, on_update=evaluate, between=between)
         if bar is not None:
             bar.close()
-        return _finish(cfg, parts, server, sim.trace, out_dir)
+        spec = sim.specsync_summary(flat.numel, flat.params.element_size())  # SpecSync's counts and bytes, if any
+        return _finish(cfg, parts, server, sim.trace, out_dir, extra=spec or None)
     return _run_mpi(cfg, parts, flat, out_dir)
 
 
