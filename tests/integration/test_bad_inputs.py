@@ -54,7 +54,11 @@ class Row:
     python: str = ""
     mount: str = ""
     trains: bool = False
+    entry: str = "collsync-train"
 
+
+# The entry points a row may run: the module function each command line calls.
+ENTRIES = {"collsync-train": "collsync.cli:train", "collsync-report": "collsync.report:main"}
 
 ROWS = [
     # Hydra: keys and options that do not exist, overrides that do not parse.
@@ -154,6 +158,9 @@ ROWS = [
         mount="size=80k",
         trains=True,
     ),
+    # collsync-report on a run that recorded nothing, and on a folder that is not there.
+    Row("report-empty-trace", ["{files}/empty-run"], "empty-run/trace.jsonl is empty", entry="collsync-report"),
+    Row("report-no-folder", ["{files}/no-run"], "{files}/no-run: no such file or folder", entry="collsync-report"),
     # Under a launcher.
     Row(
         "mpi-mismatched-python",
@@ -192,6 +199,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
         (d / "cifar" / name).write_bytes(b"\0" * 100)
     (d / "a-file").write_text("a regular file where a folder should be\n")
+    (d / "empty-run").mkdir()
+    (d / "empty-run" / "trace.jsonl").write_text("")
     return d
 
 
@@ -202,7 +211,9 @@ class Zygote:
 
     CODE = r"""
 import io, json, os, sys, traceback
-import collsync.cli, collsync.data, collsync.metrics, collsync.sim, collsync.train, hydra, sklearn.datasets, torch
+import importlib
+import collsync.cli, collsync.data, collsync.metrics, collsync.report, collsync.sim, collsync.train, hydra
+import sklearn.datasets, torch
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot
@@ -218,9 +229,11 @@ def child(req):
     os.environ.clear()
     os.environ.update(req["env"])
     sys.argv = req["argv"]
+    module, _, function = req["entry"].partition(":")
     code = 0
     try:
-        collsync.cli.train()
+        # As a console script runs it: sys.exit(main()).
+        sys.exit(getattr(importlib.import_module(module), function)())
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
@@ -254,10 +267,10 @@ for line in sys.stdin:
             raise TimeoutError
         return json.loads(self.proc.stdout.readline())
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
+    def run(self, entry: str, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
         assert self.proc.stdin is not None
         out, err = cwd / "stdout.txt", cwd / "stderr.txt"
-        request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        request = {"entry": entry, "argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         pid = self._reply(60)["pid"]
@@ -309,15 +322,17 @@ def launch(row: Row, tmp_path: Path, files: Path, zygote: Zygote | None) -> tupl
     mnt.mkdir()
     run_dir = mnt / "run"
     args = [a.format(files=files, mnt=mnt) for a in row.args]
-    overrides = [f"hydra.run.dir={run_dir}", *BASE, *args]
+    overrides = [f"hydra.run.dir={run_dir}", *BASE, *args] if row.entry == "collsync-train" else args
     env = {**clean_env(), **row.env}
     if row.ranks:
         python = row.python or sys.executable
         command = [str(MPIEXEC), "-n", str(row.ranks), python, "-m", "mpi4py", "-m", "collsync.cli", *overrides]
     elif row.mount or zygote is None:
-        command = [sys.executable, "-m", "collsync.cli", *overrides]
+        module, _, function = ENTRIES[row.entry].partition(":")
+        script = f"import sys; from {module} import {function}; sys.exit({function}())"  # as a console script
+        command = [sys.executable, "-c", script, *overrides]
     else:
-        return zygote.run(["collsync-train", *overrides], env, tmp_path)
+        return zygote.run(ENTRIES[row.entry], [row.entry, *overrides], env, tmp_path)
     if row.mount:
         # A private mount namespace: the tmpfs exists for this command only, and nothing is left to unmount.
         options, _, remount = row.mount.partition("remount=")
@@ -356,7 +371,7 @@ def test_bad_input_is_one_line(row: Row, tmp_path: Path, files: Path, zygote: Zy
     # On a line of its own in the raw stream too (a log file shows carriage returns as they are): never text
     # appended to a progress bar.
     raw = [line for line in both.split("\n") if "error:" in line]
-    assert raw[0].startswith("collsync-train: "), raw[0][-300:]
+    assert raw[0].startswith(f"{row.entry}: "), raw[0][-300:]
     if not row.trains:
         assert not (tmp_path / "mnt" / "run" / "trace.jsonl").exists(), "the row trained before failing"
     if row.id == "folder-full-at-end":
