@@ -24,6 +24,7 @@ from collsync.policy import SyncPolicy
 from collsync.rules.fasgd import bfasgd_probability
 from collsync.runtime import Collective, Mailbox, Partial, PartialResult
 from collsync.server import Server
+from collsync.specsync import Aborted
 from collsync.types import Arrival, Flat, Stamp
 
 GradFn = Callable[[Flat, int, int], Flat]
@@ -137,12 +138,55 @@ def push(worker: Worker, mailbox: Mailbox, grad: Flat) -> None:
     mailbox.send(worker.arrival(grad))
 
 
-def run_worker(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat) -> int:
+def run_worker(
+    worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat, speculator: Any = None, wait: float = 0.0
+) -> int:
     """Pull, compute, push until the server says done. Returns the number of gradients sent. (`collsync.torch`
-    runs the same `pull` and `push` around a user's own backward pass.)"""
-    while not pull(worker, mailbox, params).done:
-        push(worker, mailbox, grads(params, worker.rank, worker.steps))
+    runs the same `pull` and `push` around a user's own backward pass.)
+
+    SpecSync (004_... Alg. 2, worker side), with a `speculator` (`runtime.mpi_specsync.Speculator`): each pull
+    after a push is deferred by `wait` seconds (naive waiting) and followed by a notify; a re-sync seen at a safe
+    point of the computation raises `Aborted` there, and the batch starts over on fresh parameters.
+    """
+    while True:
+        if wait > 0 and worker.steps > 0:
+            time.sleep(wait)
+        if pull(worker, mailbox, params).done:
+            break
+        if speculator is None:
+            push(worker, mailbox, grads(params, worker.rank, worker.steps))
+            continue
+        if worker.steps > 0:
+            speculator.notify()  # Alg. 2 lines 8-10: push, pull, notify
+        grad = _speculative(worker, mailbox, grads, params, speculator)
+        if grad is None:
+            break
+        push(worker, mailbox, grad)
     return worker.steps
+
+
+def _speculative(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat, speculator: Any) -> Flat | None:
+    """Compute the next gradient, starting it over on fresh parameters each time a re-sync aborts it (the abort,
+    with the model seconds thrown away, reported to the scheduler's rank). None: training ended meanwhile."""
+    started = time.monotonic()
+    while True:
+        speculator.computing = worker.version
+        try:
+            grad = grads(params, worker.rank, worker.steps)
+        except Aborted:
+            speculator.computing = -1
+            speculator.report(worker.clock, worker.version, (time.monotonic() - started) / speculator.scale)
+            # Any version will do: it is newer than the one the aborted gradient was on, which the policy allowed.
+            before = getattr(mailbox, "bytes_fetched", 0)
+            stamp = mailbox.read(params, lambda _: True)
+            speculator.resync_bytes += getattr(mailbox, "bytes_fetched", 0) - before
+            if stamp.done:
+                return None
+            worker.restart(stamp)
+            started = time.monotonic()
+            continue
+        speculator.computing = -1
+        return grad
 
 
 # How often a server whose workers decide when training ends (`until_left`) looks for workers that left.
@@ -159,6 +203,7 @@ def run_server(
     until_left: bool = False,
     publish_delay: float = 0.0,
     between: Callable[[Server], None] | None = None,
+    poll: Callable[[], float] | None = None,
 ) -> Server:
     """Receive, accept, publish until `server.done`; then drop what is still in flight.
 
@@ -176,6 +221,9 @@ def run_server(
 
     `between(server)`: called after each message (or quiet `_BETWEEN_POLL_S`), where the server's state is whole:
     a checkpoint is written there, and a stop asked for by a signal raised.
+
+    `poll()`: called on every turn of the loop (SpecSync's scheduler co-located with this server); it returns the
+    monotonic time by which it must be called again, which bounds the wait for the next gradient.
     """
     policy = server.policy
     mailbox.publish(server.view(), server.stamp())
@@ -191,6 +239,9 @@ def run_server(
             wait = _LEFT_POLL_S if wait is None else min(wait, _LEFT_POLL_S)
         if between is not None:
             wait = _BETWEEN_POLL_S if wait is None else min(wait, _BETWEEN_POLL_S)
+        if poll is not None:
+            again = max(0.0, poll() - time.monotonic())
+            wait = again if wait is None else min(wait, again)
         arrival = mailbox.recv(timeout=wait)
         now = time.monotonic()
         before = server.version

@@ -42,6 +42,11 @@ NOTIFY_BYTES = 16
 RESYNC_BYTES = 8
 
 
+class Aborted(Exception):
+    """Raised at a worker's safe point when a re-sync aborts the gradient under way (caught by `loops.run_worker`,
+    which pulls fresh parameters and starts the batch over)."""
+
+
 @dataclass(frozen=True)
 class Speculation:
     """What a SpecSync policy adds to ASP / SSP: naive waiting and / or a scheduler's re-syncs.

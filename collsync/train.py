@@ -24,6 +24,7 @@ from collsync.loops import GradFn, Gradients, Worker, run_allreduce, run_server,
 from collsync.policy import SyncPolicy
 from collsync.rules import combine, gradual_warmup, linear_scaling
 from collsync.rules.base import Rule
+from collsync.runtime.mpi_specsync import SLICE_S
 from collsync.runtime.spec import RuntimeSpec
 from collsync.server import Diverged, Server
 from collsync.trace import Trace
@@ -384,6 +385,10 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     several = f"runtime.servers={servers} does not write checkpoints yet (one server does)" if servers > 1 else None
     keeper, saved = _rank0_keeper(run, disabled=several)
     sent = comm.bcast(None if saved is None else (saved["server"]["received"], saved["server"]["clocks"]), root=0)
+    # SpecSync: its messages on a communicator of their own; the scheduler runs in rank 0's server loop.
+    speculation = parts.policy.speculation
+    spec_comm = comm.Dup() if speculation is not None else None
+    service, speculator = None, None
     # No `finally: close()`: freeing is collective, and after a failure the other ranks are not there to join it;
     # the error reaches cli._fail, which aborts the world instead.
     if shards.serving:
@@ -423,8 +428,16 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         if keeper is not None:
             between = lambda s: keeper.step(s.version, lambda: _state(s, trace, evaluate, {}))  # noqa: E731
         delay = model.slow_server * spec.time_scale * slow
+        if speculation is not None and shards.rank == 0:
+            from collsync.runtime.mpi_specsync import SchedulerService
+
+            ranks = list(range(servers, comm.Get_size()))
+            service = SchedulerService(spec_comm, speculation, ranks, spec.time_scale, trace)
+        poll = service.poll if service is not None else None
         with _keep_on_failure(save, _grace(parts.policy.deadline)):
-            run_server(server, shards.own, on_update=evaluate, publish_delay=delay, between=between)
+            run_server(server, shards.own, on_update=evaluate, publish_delay=delay, between=between, poll=poll)
+        if service is not None:
+            service.close(parts.policy.deadline)
         if shards.rank == 0 and bar is not None:
             bar.close()
         applies = trace.of("apply")
@@ -440,11 +453,28 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
         if sent is not None:
             worker.steps, worker.clock = sent[0][mailbox.worker], sent[1][mailbox.worker]
+        wait = 0.0
+        if speculation is not None:
+            from collsync.runtime.mpi_specsync import Speculator, install_safe_points
+
+            speculator = Speculator(spec_comm, mailbox.worker, 0, spec.time_scale, mailbox.peek)
+            install_safe_points(flat.module, speculator.check)  # abort between layers
+            wait = speculation.wait * spec.time_scale
         if run.sampler is not None:
-            grads = _injected(grads, run.sampler, spec.time_scale, lambda: mailbox.peek().done)
-        run_worker(worker, mailbox, grads, torch.empty_like(flat.params))
+            check = speculator.check if speculator is not None else None  # ... and during the injected delay
+            grads = _injected(grads, run.sampler, spec.time_scale, lambda: mailbox.peek().done, check)
+        run_worker(worker, mailbox, grads, torch.empty_like(flat.params), speculator, wait)
+        if speculator is not None:
+            speculator.close(parts.policy.deadline)
         mine = mailbox.partial_reads
     blocks = comm.gather(mine, root=0)
+    specsync = None
+    if spec_comm is not None:
+        bytes_ = None if speculator is None else (mailbox.bytes_pushed, mailbox.bytes_fetched, speculator.resync_bytes)
+        moved = [b for b in comm.gather(bytes_, root=0) or [] if b is not None]
+        if service is not None:
+            specsync = _specsync_summary(service, moved)
+        spec_comm.Free()
     shards.close()
     if shards.rank != 0:
         return None
@@ -457,7 +487,17 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         "shards": [{"rank": j, "params": list(shards.bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])],
         "partial_pulls": sum(blocks[servers:]),  # reads that went on without every shard (PSP's partial pull)
     }
-    return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra if servers > 1 else None)
+    extra = {**(extra if servers > 1 else {}), **({"specsync": specsync} if specsync is not None else {})}
+    return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra or None)
+
+
+def _specsync_summary(service: Any, moved: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """SpecSync's counts (rank 0's scheduler) and the Fig. 13 bytes: the workers' pushes, pulls and re-sync pulls
+    (every shard), and the notify / re-sync / abort messages."""
+    pushed, fetched, resync = (sum(b[k] for b in moved) for k in range(3))
+    info = service.summary()
+    notify = info.pop("message_bytes")
+    return {**info, "bytes": {"push": pushed, "pull": fetched - resync, "resync_pull": resync, "notify": notify}}
 
 
 # How long rank 0 may take to write the run folder (evaluation, trace, plots) once a deadline fired, a divergence
@@ -584,11 +624,14 @@ def _save_incomplete(
     _finish(run.cfg, run.parts, server, trace, run.out_dir, params=params, ema=ema, extra={"incomplete": message})
 
 
-def _injected(grads: GradFn, sampler: Any, scale: float, finished: Callable[[], bool]) -> GradFn:
+def _injected(
+    grads: GradFn, sampler: Any, scale: float, finished: Callable[[], bool], check: Callable[[], None] | None = None
+) -> GradFn:
     """Real runs with the simulator's stragglers: sleep the drawn compute time and message delay (x `scale`).
 
     A frozen worker computes nothing more until `finished()` (training is over): the rest of the world trains on
     (backup, async) or the server's deadline names it. It still leaves cleanly, so the run folder is written.
+    `check()`: SpecSync's safe point, called between slices of the sleep (it raises to abort the gradient).
     """
     start = time.monotonic()
 
@@ -597,7 +640,15 @@ def _injected(grads: GradFn, sampler: Any, scale: float, finished: Callable[[], 
         if sampler.is_frozen(worker, (time.monotonic() - start) / scale):
             while not finished():
                 time.sleep(0.05)
-        time.sleep((sampler.compute_time(worker, index) + sampler.message_delay(worker, index)) * scale)
+        delay = (sampler.compute_time(worker, index) + sampler.message_delay(worker, index)) * scale
+        if check is None:
+            time.sleep(delay)
+            return g
+        # SpecSync: the delay stands for computation, so a re-sync may abort it (`check` raises) at any slice.
+        end = time.monotonic() + delay
+        while (left := end - time.monotonic()) > 0:
+            check()
+            time.sleep(min(left, SLICE_S))
         return g
 
     return slow

@@ -141,3 +141,39 @@ def test_specsync_runs_over_asp_and_ssp():
     assert ssp.rounds and ssp.max_lead == 2 and ssp.speculation.adaptive
     naive = specsync(adaptive=False, wait=0.3)
     assert naive.speculation.wait == 0.3 and not naive.speculation.speculates
+
+
+def test_safe_points_abort_a_gradient_between_layers():
+    import torch
+
+    from collsync.flat import FlatModel
+    from collsync.loops import Gradients
+    from collsync.models import mlp
+    from collsync.runtime.mpi_specsync import install_safe_points
+    from collsync.specsync import Aborted
+
+    flat = FlatModel(mlp(input_shape=(4,), classes=3, hidden=[8], seed=0))
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    calls: list[int] = []
+    abort_at = [None]
+
+    def check() -> None:
+        calls.append(len(calls))
+        if len(calls) == abort_at[0]:
+            raise Aborted
+
+    handles = install_safe_points(flat.module, check)
+    leaves = sum(1 for m in flat.module.modules() if next(m.children(), None) is None)
+    grads = Gradients(flat, None)
+    whole = grads.at(flat.params.clone(), x, y)
+    assert len(calls) == leaves + len(list(flat.module.parameters()))  # every layer forward, every gradient
+    for k in (2, leaves + 1):  # in the forward pass, then in the backward pass
+        calls.clear()
+        abort_at[0] = k
+        with pytest.raises(Aborted):
+            grads.at(flat.params.clone(), x, y)
+        assert len(calls) == k  # it stopped there
+    abort_at[0] = None
+    assert torch.equal(grads.at(flat.params.clone(), x, y), whole)  # an aborted gradient leaves nothing behind
+    for h in handles:
+        h.remove()

@@ -1,0 +1,210 @@
+"""SpecSync over MPI (004_..., Alg. 2 and Fig. 7): the scheduler on server rank 0, notify / re-sync as small
+nonblocking point-to-point messages, and a real abort of the worker's gradient at its next safe point.
+
+Messages travel on a communicator of their own (`Dup` of the world, so they never meet the windows' or the
+trainer's traffic), each a few int64 / float64 words:
+
+    worker -> scheduler   NOTIFY  [worker, iteration]                after each push and pull (Alg. 2 line 10)
+    worker -> scheduler   ABORT   [worker, clock, version, wasted]   after an abort: the scheduler's rank traces it
+    worker -> scheduler   BYE     [worker]                           last message of a worker (nothing follows)
+    scheduler -> worker   RESYNC  [iteration]                        re-sync the gradient after that notify
+    scheduler -> worker   RESYNC  [-1]                               last message to a worker, after its BYE
+
+Messages between two ranks on one communicator never overtake each other, so the BYE / [-1] pair drains both
+directions at the end: the scheduler has every abort to trace, and no re-sync is left unreceived.
+
+The scheduler (`collsync.specsync.Scheduler`) runs inside rank 0's server loop (`loops.run_server(poll=...)`),
+which polls it at least every `POLL_S` and on time for its next timer: one thread, so the trace it writes `abort`
+events into stays in time order. Its clock is model seconds, wall seconds / `runtime.time_scale`, the unit of the
+straggler draws, so `abort_time` and `wait` mean the same in the simulator and here.
+
+Safe points (where a worker looks for a re-sync and aborts): before each leaf module's forward, after each
+parameter's gradient in the backward pass (`install_safe_points`), and every `SLICE_S` of an injected straggler
+delay (`collsync.train._injected`). A re-sync is acted on only if the server published a newer version than the
+one the gradient is computed on: restarting on the same parameters would gain nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Aborted, Scheduler, Speculation
+from collsync.trace import Trace
+
+NOTIFY, ABORT, BYE, RESYNC = 11, 12, 13, 14
+ABORT_BYTES = 32  # [worker, clock, version, wasted] as float64: counted with the notifications
+POLL_S = 0.001  # the longest rank 0's server loop goes without polling the scheduler
+SLICE_S = 0.002  # an injected delay is slept in slices this long, with a safe point between two
+
+
+class SchedulerService:
+    """Rank 0's side: receive notifies and abort reports, fire the scheduler's timers, send re-syncs.
+
+    `workers`: the world ranks of the workers in worker order. `poll()` returns the monotonic time by which it
+    wants to be called again (its next timer, or `POLL_S` from now at the latest).
+    """
+
+    def __init__(
+        self, comm: Any, speculation: Speculation, workers: list[int], scale: float, trace: Trace | None
+    ) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm, self.workers, self.scale, self.trace = MPI, comm, workers, scale, trace
+        self.index = {rank: w for w, rank in enumerate(workers)}
+        self.scheduler = Scheduler(len(workers), speculation)
+        self.start = time.monotonic()
+        self.status = MPI.Status()
+        self.requests: list[Any] = []
+        self.aborts = 0
+        self.wasted_s = 0.0
+        self.bytes = 0  # notify, abort and re-sync messages, both directions
+        self.byes: set[int] = set()
+        self.sending = True
+
+    def now(self) -> float:
+        return (time.monotonic() - self.start) / self.scale
+
+    def poll(self) -> float:
+        """Take every message waiting, then fire the timers due; returns when to poll next (monotonic)."""
+        self._receive()
+        if self.sending:
+            for w, iteration in self.scheduler.expire(self.now()):
+                buf = np.array([iteration], dtype=np.int64)
+                self.requests.append(self.comm.Isend(buf, dest=self.workers[w], tag=RESYNC))
+                self.bytes += RESYNC_BYTES
+            self.requests = [r for r in self.requests if not r.Test()]
+        due = self.scheduler.due()
+        soon = time.monotonic() + POLL_S
+        return soon if due is None else min(soon, self.start + due * self.scale)
+
+    def _receive(self) -> None:
+        MPI, status = self.MPI, self.status
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            source, tag = status.Get_source(), status.Get_tag()
+            if tag == ABORT:
+                buf = np.empty(4, dtype=np.float64)
+                self.comm.Recv(buf, source=source, tag=tag)
+                self.bytes += ABORT_BYTES
+                w, clock, version, wasted = int(buf[0]), int(buf[1]), int(buf[2]), float(buf[3])
+                self.aborts += 1
+                self.wasted_s += wasted
+                if self.trace is not None:
+                    self.trace.record("abort", worker=w, clock=clock, version=version, wasted=wasted)
+            else:
+                buf = np.empty(2, dtype=np.int64)
+                self.comm.Recv(buf, source=source, tag=tag)
+                if tag == NOTIFY:
+                    self.bytes += NOTIFY_BYTES
+                    self.scheduler.notify(self.index[source], self.now())
+                elif tag == BYE:
+                    self.byes.add(source)
+
+    def close(self, timeout: float | None) -> None:
+        """After training: no more re-syncs; wait (at most `timeout` s) for every worker's BYE, answer each with the
+        end marker, and complete every send."""
+        self.sending = False
+        end = None if timeout is None else time.monotonic() + timeout
+        while len(self.byes) < len(self.workers) and (end is None or time.monotonic() < end):
+            self._receive()
+            time.sleep(POLL_S)
+        marker = np.array([-1], dtype=np.int64)
+        self.requests += [self.comm.Isend(marker, dest=rank, tag=RESYNC) for rank in sorted(self.byes)]
+        self.MPI.Request.Waitall(self.requests)
+        self.requests = []
+
+    def summary(self) -> dict[str, Any]:
+        sched = self.scheduler
+        return {
+            "aborts": self.aborts,
+            "wasted_s": self.wasted_s,
+            "resyncs_ignored": sched.resyncs - self.aborts,
+            "notifies": sched.notifies,
+            "resyncs": sched.resyncs,
+            "abort_time": sched.abort_time,
+            "abort_rate": sched.abort_rate,
+            "tunings": len(sched.tunings),
+            "message_bytes": self.bytes,
+        }
+
+
+class Speculator:
+    """A worker's side: notify after each push and pull, look for a re-sync at safe points, report aborts.
+
+    `version()` is the newest version the server published (a re-sync is acted on only if it is newer than
+    `self.computing`, the version of the gradient under way); `clock_version()` gives (clock, version) of it.
+    """
+
+    def __init__(self, comm: Any, worker: int, scheduler_rank: int, scale: float, peek: Any) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm, self.worker, self.rank0, self.scale = MPI, comm, worker, scheduler_rank, scale
+        self.peek = peek
+        self.iteration = 0  # notifies sent
+        self.computing = -1  # the version the gradient under way is computed on (-1: none)
+        self.pending = False  # a re-sync for the gradient under way came
+        self.requests: list[Any] = []
+        self.bytes = 0
+        self.resync_bytes = 0  # parameters pulled again after aborts (counted by `loops.run_worker`)
+        self._buf = np.empty(1, dtype=np.int64)
+
+    def notify(self) -> None:
+        self.iteration += 1
+        self.pending = False
+        buf = np.array([self.worker, self.iteration], dtype=np.int64)
+        self.requests.append(self.comm.Isend(buf, dest=self.rank0, tag=NOTIFY))
+        self.bytes += NOTIFY_BYTES
+        self.requests = [r for r in self.requests if not r.Test()]
+
+    def _take(self) -> None:
+        while self.comm.Iprobe(source=self.rank0, tag=RESYNC):
+            self.comm.Recv(self._buf, source=self.rank0, tag=RESYNC)
+            self.bytes += RESYNC_BYTES
+            if int(self._buf[0]) == self.iteration and self.iteration > 0:
+                self.pending = True
+
+    def check(self) -> None:
+        """A safe point: raise `Aborted` if a re-sync for this gradient came and the server has newer parameters."""
+        if self.computing < 0:
+            return
+        self._take()
+        if self.pending and self.peek().version > self.computing:
+            self.pending = False
+            raise Aborted
+
+    def report(self, clock: int, version: int, wasted: float) -> None:
+        """Tell the scheduler's rank an abort happened (it traces it), `wasted` in model seconds."""
+        buf = np.array([self.worker, clock, version, wasted], dtype=np.float64)
+        self.requests.append(self.comm.Isend(buf, dest=self.rank0, tag=ABORT))
+        self.bytes += ABORT_BYTES
+
+    def close(self, timeout: float | None) -> None:
+        """Training is over: BYE, then take re-syncs until the end marker (at most `timeout` s), complete sends."""
+        self.computing = -1
+        self.requests.append(self.comm.Isend(np.array([self.worker, 0], dtype=np.int64), dest=self.rank0, tag=BYE))
+        end = None if timeout is None else time.monotonic() + timeout
+        while end is None or time.monotonic() < end:
+            if self.comm.Iprobe(source=self.rank0, tag=RESYNC):
+                self.comm.Recv(self._buf, source=self.rank0, tag=RESYNC)
+                if int(self._buf[0]) == -1:
+                    break
+            else:
+                time.sleep(POLL_S)
+        self.MPI.Request.Waitall(self.requests)
+        self.requests = []
+
+
+def install_safe_points(module: Any, check: Any) -> list[Any]:
+    """Safe points between layers: `check()` before each leaf module's forward and after each parameter's gradient
+    in the backward pass; an exception it raises (`Aborted`) leaves the forward or backward there. Returns the
+    hook handles (`handle.remove()` takes them off)."""
+    handles = []
+    for sub in module.modules():
+        if next(sub.children(), None) is None:
+            handles.append(sub.register_forward_pre_hook(lambda *_: check()))
+    for p in module.parameters():
+        if p.requires_grad:
+            handles.append(p.register_hook(lambda g: (check(), g)[1]))
+    return handles

@@ -1,0 +1,46 @@
+"""SpecSync over MPI for real (004_..., Alg. 2): one server rank with the scheduler in its loop, four workers with
+injected gamma stragglers; re-syncs abort gradients at their safe points. About 30 s of MPI and 15 s of simulator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from collsync.checks import check_trace
+from collsync.policy import specsync
+from collsync.trace import Trace
+from tests.integration.test_mpi_cli import MPIEXEC, launch, summary
+
+pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)")
+
+OVERRIDES = ["sync=specsync", "optimizer=sgd"]  # SpecSync-Adaptive over ASP, 300 updates
+
+
+def test_specsync_over_mpi_aborts_for_real_and_trains_to_the_simulators_accuracy(tmp_path):
+    proc = launch(tmp_path / "mpi", 5, *OVERRIDES, "runtime.inject_stragglers=true", "runtime.time_scale=0.02")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sim = subprocess.run(
+        [sys.executable, "-m", "collsync.cli", f"hydra.run.dir={tmp_path / 'sim' / 'run'}", "progress=false"]
+        + [*OVERRIDES, "runtime=sim", "runtime.workers=4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    real, simulated = summary(tmp_path / "mpi"), summary(tmp_path / "sim")
+    assert real["trace_checks"]["updates"] == 300
+    assert real["final_acc"] >= simulated["final_acc"] - 0.05, (real["final_acc"], simulated["final_acc"])
+    trace = Trace.read_jsonl(tmp_path / "mpi" / "run" / "trace.jsonl")
+    check_trace(trace, specsync(), 4)  # the abort events included
+    spec = real["specsync"]
+    aborts = trace.of("abort")
+    assert spec["tunings"] > 0 and spec["notifies"] >= 290  # one per push but each worker's first
+    assert len(aborts) == spec["aborts"] > 0 and spec["resyncs"] >= spec["aborts"]
+    assert all(e["wasted"] > 0 for e in aborts)
+    numel = spec["bytes"]["push"] // real["pushed"]  # bytes of one full gradient (and of one full pull)
+    # One pull per abort, but where training ended during the abort (at most one per worker: no pull then).
+    assert (spec["aborts"] - 4) * numel <= spec["bytes"]["resync_pull"] <= spec["aborts"] * numel
+    assert spec["bytes"]["notify"] == 16 * spec["notifies"] + 8 * spec["resyncs"] + 32 * spec["aborts"]
