@@ -71,21 +71,23 @@ def check(cfg: DictConfig) -> RunConfig:
     resolved raises OmegaConf's error, which `collsync.cli` prints as one line too.
     """
     hints = typing.get_type_hints(RunConfig)
-    values = {}
-    for f in fields(RunConfig):
-        if f.name in cfg:
-            values[f.name] = _checked(cfg, f.name, f.name, hints[f.name])
+    # (node, key, the key as the user types it, its type), top-level keys first, then each group's.
+    entries = [(cfg, f.name, f.name, hints[f.name]) for f in fields(RunConfig) if f.name in cfg]
     for group in cfg.keys():
         if OmegaConf.is_missing(cfg, group) or OmegaConf.is_interpolation(cfg, group):
             continue
         node = cfg[group]
         if isinstance(node, DictConfig) and "_target_" in node:
-            _check_group(node, str(group))
-    return RunConfig(**values)
+            entries += [(node, key, f"{group}.{key}", hint) for key, hint in _group_keys(node, str(group))]
+    # Literal values first: an interpolation (gap_aware's eta_max: ${oc.select:optimizer.lr,0.1}) is checked after
+    # its source, so a bad value is reported under the key the user typed.
+    entries.sort(key=lambda e: OmegaConf.is_interpolation(e[0], e[1]))
+    values = {path: _checked(node, key, path, hint) for node, key, path, hint in entries}
+    return RunConfig(**{f.name: values[f.name] for f in fields(RunConfig) if f.name in values})
 
 
-def _check_group(node: DictConfig, group: str) -> None:
-    """One group's keyword arguments against its factory's signature and annotations."""
+def _group_keys(node: DictConfig, group: str) -> list[tuple[str, Any]]:
+    """One group's keyword arguments checked against its factory's signature: each key with its annotation."""
     target = str(node._target_)
     try:
         factory = get_object(target)
@@ -99,21 +101,18 @@ def _check_group(node: DictConfig, group: str) -> None:
     params = signature.parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     keys = [str(k) for k in node.keys() if str(k) not in _HYDRA_KEYS]
-    # Literal values first: an interpolation (gap_aware's eta_max: ${optimizer.lr}) is checked after its source, so
-    # a bad value is reported under the key the user typed.
-    keys.sort(key=lambda k: OmegaConf.is_interpolation(node, k))
     for key in keys:
         if key not in params and not open_ended:
             takes = ", ".join(p for p in params if p not in ("input_shape", "classes")) or "nothing"
             raise ConfigError(
                 f"{group}.{key}={_show(_raw(node, key))}: {group} ({target}) has no key {key!r} (its keys: {takes})"
             )
-        _checked(node, key, f"{group}.{key}", hints.get(key, Any))
     if not OmegaConf.select(node, "_partial_", default=False):
         # A partial factory (a model, staleness_aware_step) gets the rest of its arguments from the code.
         for name, p in params.items():
-            if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD and name not in node:
+            if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD and name not in keys:
                 raise ConfigError(f"{group}.{name} is not set: {group} ({target}) needs it")
+    return [(key, hints.get(key, Any)) for key in keys]
 
 
 def _raw(node: DictConfig, key: str) -> Any:
@@ -135,6 +134,9 @@ def _checked(node: DictConfig, key: str, path: str, hint: Any) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Equal and of the same types all the way down (8.0 in a list of ints is not the same as 8)."""
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
 
 
