@@ -51,7 +51,8 @@ def dana(lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, warm
         if i < 0:
             raise ValueError(
                 f"dana: an update averaged {ctx.aggregated} gradients of different workers (worker={i}); DANA keeps "
-                "one momentum per worker and needs one gradient per update (sync=async with quorum 1)"
+                "one momentum per worker and needs one gradient per update (sync=async with quorum 1); for averaged "
+                "updates choose another optimizer (optimizer=momentum)"
             )
         vs = state.v
         if i >= len(vs):

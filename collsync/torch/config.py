@@ -57,6 +57,7 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
         )
         raise ValueError(f"{group}={name!r} is not one of {', '.join(known)}")
     node = OmegaConf.load(str(path))
+    node.pop("defaults", None)  # a sync mode's default optimizer (conf/sync/async.yaml) is for collsync-train
     for key, value in options.items():
         if key not in node or key.startswith("_"):
             keys = [k for k in node if not str(k).startswith("_")]
