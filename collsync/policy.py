@@ -216,6 +216,7 @@ def specsync(
     abort_rate: float | None = None,
     adaptive: bool = True,
     wait: float = 0.0,
+    scheduler: str = "server",
     deadline: float | None = DEADLINE,
 ) -> SyncPolicy:
     """SpecSync (004_..., Alg. 1-2) over ASP (`base="async"`) or SSP (`base="ssp"`, bound `max_lead`, 3 if null).
@@ -225,9 +226,12 @@ def specsync(
     its gradient, pulls fresh parameters and starts the batch over. `adaptive=true` is SpecSync-Adaptive (both tuned
     each epoch by Alg. 1; leave them null), `adaptive=false` with both set is SpecSync-Cherrypick. `wait` > 0 is
     naive waiting (§III-B: each pull deferred by that many seconds); with `adaptive=false` and no abort_time, it is
-    naive waiting alone.
+    naive waiting alone. `scheduler`: over MPI, "server" runs the scheduler in server rank 0's loop, "rank" on a
+    rank of its own (the last one; launch one rank more).
     """
-    speculation = Speculation(abort_time=abort_time, abort_rate=abort_rate, adaptive=adaptive, wait=wait)
+    speculation = Speculation(
+        abort_time=abort_time, abort_rate=abort_rate, adaptive=adaptive, wait=wait, scheduler=scheduler
+    )
     if base == "async":
         if max_lead is not None:
             raise ValueError(f"specsync: max_lead={max_lead} bounds SSP's lead; it needs base=ssp, not base={base}")

@@ -53,6 +53,7 @@ class Speculation:
 
     `abort_time` (seconds, ABORT_TIME) and `abort_rate` (ABORT_RATE, Gamma) fixed: SpecSync-Cherrypick. `adaptive`:
     SpecSync-Adaptive (both tuned per epoch, so neither may be set). `wait`: naive waiting's delay before each pull.
+    `scheduler`: where the scheduler runs over MPI (the simulator runs the same scheduler wherever this says).
     Times are model seconds, as the straggler models draw them (real runs scale them by `runtime.time_scale`).
     """
 
@@ -60,8 +61,11 @@ class Speculation:
     abort_rate: float | None = None
     adaptive: bool = False
     wait: float = 0.0
+    scheduler: str = "server"  # over MPI: in server rank 0's loop ("server") or on a rank of its own ("rank")
 
     def __post_init__(self) -> None:
+        if self.scheduler not in ("server", "rank"):
+            raise ValueError(f"specsync: scheduler={self.scheduler!r} must be 'server' (co-located) or 'rank'")
         if not (math.isfinite(self.wait) and self.wait >= 0):
             raise ValueError(f"specsync: wait={self.wait!r} must be >= 0 seconds")
         if self.abort_time is not None and not (math.isfinite(self.abort_time) and self.abort_time > 0):

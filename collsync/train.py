@@ -270,23 +270,31 @@ def _run_mpi(cfg: DictConfig, parts: Parts, flat: FlatModel, out_dir: Path) -> d
 
     spec = parts.runtime
     servers = spec.servers if spec.kind == "mpi" else 0  # serverless: every rank works
+    scheduler = _scheduler_ranks(parts)  # SpecSync's scheduler on a rank of its own: the last one
     size = state().world.Get_size() if cst.is_initialized() else _world_size()
-    if size - servers < 1:
+    if size - servers - scheduler < 1:
+        also = " and the scheduler's rank (sync.scheduler=rank)" if scheduler else ""
         raise ValueError(
-            f"runtime={spec.kind}: {size} rank(s) leave no worker beside {spec.servers} server(s); "
-            f"launch at least {spec.servers + 1} ranks"
+            f"runtime={spec.kind}: {size} rank(s) leave no worker beside {spec.servers} server(s){also}; "
+            f"launch at least {spec.servers + scheduler + 1} ranks"
         )
     if cst.is_initialized() and state().servers != servers:
         cst.shutdown()  # a sweep run in one process whose runs differ in runtime.servers
     cst.init(servers=servers, serve=False)
     comm = state().world
-    workers = comm.Get_size() - servers
+    workers = comm.Get_size() - servers - scheduler
     _check_fit(parts, workers)
     grads: GradFn = Gradients(flat, Batches(parts.data, workers, int(cfg.batch_size), int(cfg.seed)))
     sampler = parts.stragglers.sampler(workers, int(cfg.seed)) if spec.inject_stragglers else None
     launch = _Launch(cfg, parts, flat, out_dir, comm, workers, grads, sampler)
     runners = {"allreduce": _run_allreduce, "partial": _run_partial}
     return runners.get(spec.kind, _run_shards)(launch)
+
+
+def _scheduler_ranks(parts: Parts) -> int:
+    """1 when SpecSync's scheduler has a rank of its own (`sync.scheduler=rank` under runtime=mpi), else 0."""
+    speculation = parts.policy.speculation
+    return int(parts.runtime.kind == "mpi" and speculation is not None and speculation.scheduler == "rank")
 
 
 def _world_size() -> int:
@@ -378,7 +386,11 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
 
     cfg, parts, flat, comm, workers, grads = run.cfg, run.parts, run.flat, run.comm, run.workers, run.grads
     spec, servers = parts.runtime, parts.runtime.servers
-    shards = Shards(comm, flat.numel, servers)
+    # SpecSync's scheduler on a rank of its own (the last) stays out of the shards' windows.
+    dedicated = bool(_scheduler_ranks(parts))
+    scheduling = dedicated and comm.Get_rank() == comm.Get_size() - 1
+    train_comm = comm.Split(int(scheduling), comm.Get_rank()) if dedicated else comm
+    shards = None if scheduling else Shards(train_comm, flat.numel, servers)
     trace = Trace()
     # Rank 0 keeps the checkpoints (with one shard: several are not checkpointed yet) and tells each worker where it
     # resumes: after the last gradient the server got from it, so none is lost or applied twice.
@@ -389,6 +401,10 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     speculation = parts.policy.speculation
     spec_comm = comm.Dup() if speculation is not None else None
     service, speculator = None, None
+    scheduler_rank = comm.Get_size() - 1 if dedicated else 0
+    if scheduling:
+        return _run_scheduler_rank(run, spec_comm, train_comm)
+    assert shards is not None
     # No `finally: close()`: freeing is collective, and after a failure the other ranks are not there to join it;
     # the error reaches cli._fail, which aborts the world instead.
     if shards.serving:
@@ -431,8 +447,8 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         if speculation is not None and shards.rank == 0:
             from collsync.runtime.mpi_specsync import SchedulerService
 
-            ranks = list(range(servers, comm.Get_size()))
-            service = SchedulerService(spec_comm, speculation, ranks, spec.time_scale, trace)
+            ranks = list(range(servers, servers + workers))
+            service = SchedulerService(spec_comm, speculation, ranks, spec.time_scale, trace, schedules=not dedicated)
         poll = service.poll if service is not None else None
         with _keep_on_failure(save, _grace(parts.policy.deadline)):
             run_server(server, shards.own, on_update=evaluate, publish_delay=delay, between=between, poll=poll)
@@ -457,7 +473,7 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         if speculation is not None:
             from collsync.runtime.mpi_specsync import Speculator, install_safe_points
 
-            speculator = Speculator(spec_comm, mailbox.worker, 0, spec.time_scale, mailbox.peek)
+            speculator = Speculator(spec_comm, mailbox.worker, scheduler_rank, spec.time_scale, mailbox.peek)
             install_safe_points(flat.module, speculator.check)  # abort between layers
             wait = speculation.wait * spec.time_scale
         if run.sampler is not None:
@@ -471,11 +487,15 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     specsync = None
     if spec_comm is not None:
         bytes_ = None if speculator is None else (mailbox.bytes_pushed, mailbox.bytes_fetched, speculator.resync_bytes)
-        moved = [b for b in comm.gather(bytes_, root=0) or [] if b is not None]
+        gathered = comm.gather(bytes_, root=0) or []
         if service is not None:
-            specsync = _specsync_summary(service, moved)
+            moved = [b for b in gathered if isinstance(b, tuple)]
+            remote = next((b for b in gathered if isinstance(b, dict)), None)  # a scheduler rank's own counts
+            specsync = _specsync_summary(service, moved, remote)
         spec_comm.Free()
     shards.close()
+    if dedicated:
+        train_comm.Free()
     if shards.rank != 0:
         return None
     params = torch.cat([b[0] for b in blocks[:servers]])
@@ -491,12 +511,34 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     return _finish(cfg, parts, server, trace, run.out_dir, params=params, ema=ema, extra=extra or None)
 
 
-def _specsync_summary(service: Any, moved: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """SpecSync's counts (rank 0's scheduler) and the Fig. 13 bytes: the workers' pushes, pulls and re-sync pulls
-    (every shard), and the notify / re-sync / abort messages."""
+def _run_scheduler_rank(run: _Launch, spec_comm: Any, train_comm: Any) -> None:
+    """SpecSync's scheduler on a rank of its own (`sync.scheduler=rank`): serve notifies until every worker said
+    BYE, then join the world's collectives of `_run_shards` (what it sends rank 0: its counts and bytes)."""
+    from collsync.runtime.mpi_specsync import SchedulerService
+
+    parts, servers, comm = run.parts, run.parts.runtime.servers, run.comm
+    assert parts.policy.speculation is not None
+    ranks = list(range(servers, servers + run.workers))
+    service = SchedulerService(spec_comm, parts.policy.speculation, ranks, parts.runtime.time_scale, None)
+    service.serve(parts.policy.deadline)
+    comm.gather(0, root=0)  # no partial pulls here
+    comm.gather(service.summary(), root=0)
+    spec_comm.Free()
+    train_comm.Free()
+    return None
+
+
+def _specsync_summary(service: Any, moved: list[tuple[int, int, int]], remote: dict[str, Any] | None) -> dict[str, Any]:
+    """SpecSync's counts and the Fig. 13 bytes: the workers' pushes, pulls and re-sync pulls (every shard), and the
+    notify / re-sync / abort messages. `remote`: the scheduler's counts when it has a rank of its own (rank 0 then
+    counted only the abort reports)."""
     pushed, fetched, resync = (sum(b[k] for b in moved) for k in range(3))
     info = service.summary()
     notify = info.pop("message_bytes")
+    if remote is not None:
+        notify += remote.pop("message_bytes")
+        info = {**remote, "aborts": info["aborts"], "wasted_s": info["wasted_s"]}
+        info["resyncs_ignored"] = info["resyncs"] - info["aborts"]
     return {**info, "bytes": {"push": pushed, "pull": fetched - resync, "resync_pull": resync, "notify": notify}}
 
 

@@ -5,18 +5,20 @@ Messages travel on a communicator of their own (`Dup` of the world, so they neve
 trainer's traffic), each a few int64 / float64 words:
 
     worker -> scheduler   NOTIFY  [worker, iteration]                after each push and pull (Alg. 2 line 10)
-    worker -> scheduler   ABORT   [worker, clock, version, wasted]   after an abort: the scheduler's rank traces it
-    worker -> scheduler   BYE     [worker]                           last message of a worker (nothing follows)
+    worker -> rank 0      ABORT   [worker, clock, version, wasted]   after an abort: rank 0 traces it
+    worker -> both        BYE     [worker]                           last message of a worker (nothing follows)
     scheduler -> worker   RESYNC  [iteration]                        re-sync the gradient after that notify
     scheduler -> worker   RESYNC  [-1]                               last message to a worker, after its BYE
 
 Messages between two ranks on one communicator never overtake each other, so the BYE / [-1] pair drains both
 directions at the end: the scheduler has every abort to trace, and no re-sync is left unreceived.
 
-The scheduler (`collsync.specsync.Scheduler`) runs inside rank 0's server loop (`loops.run_server(poll=...)`),
-which polls it at least every `POLL_S` and on time for its next timer: one thread, so the trace it writes `abort`
-events into stays in time order. Its clock is model seconds, wall seconds / `runtime.time_scale`, the unit of the
-straggler draws, so `abort_time` and `wait` mean the same in the simulator and here.
+The scheduler (`collsync.specsync.Scheduler`) runs inside rank 0's server loop (`loops.run_server(poll=...)`,
+`scheduler=server`), which polls it at least every `POLL_S` and on time for its next timer, or on a rank of its
+own, the last (`scheduler=rank`), polling the same way. Either way rank 0's server loop takes the abort reports
+(`SchedulerService(schedules=False)` when the scheduler is elsewhere): one thread, so the trace it writes `abort`
+events into stays in time order. The scheduler's clock is model seconds, wall seconds / `runtime.time_scale`, the
+unit of the straggler draws, so `abort_time` and `wait` mean the same in the simulator and here.
 
 Safe points (where a worker looks for a re-sync and aborts): before each leaf module's forward, after each
 parameter's gradient in the backward pass (`install_safe_points`), and every `SLICE_S` of an injected straggler
@@ -41,14 +43,21 @@ SLICE_S = 0.002  # an injected delay is slept in slices this long, with a safe p
 
 
 class SchedulerService:
-    """Rank 0's side: receive notifies and abort reports, fire the scheduler's timers, send re-syncs.
+    """The scheduler's rank: receive notifies, fire the scheduler's timers, send re-syncs; and on rank 0 receive
+    the abort reports into `trace` (with `schedules=False`, only that: the scheduler has a rank of its own).
 
     `workers`: the world ranks of the workers in worker order. `poll()` returns the monotonic time by which it
     wants to be called again (its next timer, or `POLL_S` from now at the latest).
     """
 
     def __init__(
-        self, comm: Any, speculation: Speculation, workers: list[int], scale: float, trace: Trace | None
+        self,
+        comm: Any,
+        speculation: Speculation,
+        workers: list[int],
+        scale: float,
+        trace: Trace | None,
+        schedules: bool = True,
     ) -> None:
         from mpi4py import MPI
 
@@ -62,7 +71,8 @@ class SchedulerService:
         self.wasted_s = 0.0
         self.bytes = 0  # notify, abort and re-sync messages, both directions
         self.byes: set[int] = set()
-        self.sending = True
+        self.sending = schedules
+        self.schedules = schedules
 
     def now(self) -> float:
         return (time.monotonic() - self.start) / self.scale
@@ -110,10 +120,19 @@ class SchedulerService:
         while len(self.byes) < len(self.workers) and (end is None or time.monotonic() < end):
             self._receive()
             time.sleep(POLL_S)
-        marker = np.array([-1], dtype=np.int64)
-        self.requests += [self.comm.Isend(marker, dest=rank, tag=RESYNC) for rank in sorted(self.byes)]
+        if self.schedules:
+            marker = np.array([-1], dtype=np.int64)
+            self.requests += [self.comm.Isend(marker, dest=rank, tag=RESYNC) for rank in sorted(self.byes)]
         self.MPI.Request.Waitall(self.requests)
         self.requests = []
+
+    def serve(self, timeout: float | None) -> None:
+        """A scheduler on a rank of its own: poll (sleeping between polls) until every worker said BYE, then close.
+        A worker that dies never says it, but then its failure aborts the world, this rank included."""
+        while len(self.byes) < len(self.workers):
+            wake = self.poll()
+            time.sleep(max(0.0, min(wake - time.monotonic(), POLL_S)))
+        self.close(timeout)
 
     def summary(self) -> dict[str, Any]:
         sched = self.scheduler
@@ -141,6 +160,7 @@ class Speculator:
         from mpi4py import MPI
 
         self.MPI, self.comm, self.worker, self.rank0, self.scale = MPI, comm, worker, scheduler_rank, scale
+        self.tracer = 0  # rank 0 traces the aborts (the scheduler may have a rank of its own)
         self.peek = peek
         self.iteration = 0  # notifies sent
         self.computing = -1  # the version the gradient under way is computed on (-1: none)
@@ -177,13 +197,14 @@ class Speculator:
     def report(self, clock: int, version: int, wasted: float) -> None:
         """Tell the scheduler's rank an abort happened (it traces it), `wasted` in model seconds."""
         buf = np.array([self.worker, clock, version, wasted], dtype=np.float64)
-        self.requests.append(self.comm.Isend(buf, dest=self.rank0, tag=ABORT))
+        self.requests.append(self.comm.Isend(buf, dest=self.tracer, tag=ABORT))
         self.bytes += ABORT_BYTES
 
     def close(self, timeout: float | None) -> None:
         """Training is over: BYE, then take re-syncs until the end marker (at most `timeout` s), complete sends."""
         self.computing = -1
-        self.requests.append(self.comm.Isend(np.array([self.worker, 0], dtype=np.int64), dest=self.rank0, tag=BYE))
+        for rank in sorted({self.rank0, self.tracer}):
+            self.requests.append(self.comm.Isend(np.array([self.worker, 0], dtype=np.int64), dest=rank, tag=BYE))
         end = None if timeout is None else time.monotonic() + timeout
         while end is None or time.monotonic() < end:
             if self.comm.Iprobe(source=self.rank0, tag=RESYNC):

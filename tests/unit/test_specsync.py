@@ -123,6 +123,7 @@ def test_scheduler_state_round_trips_and_goes_on_identically():
         (["sync.wait=-0.5"], "specsync: wait=-0.5 must be >= 0 seconds"),
         (["sync.base=bsp"], "specsync: base='bsp' must be 'async' or 'ssp'"),
         (["sync.max_lead=2"], "specsync: max_lead=2 bounds SSP's lead; it needs base=ssp"),
+        (["sync.scheduler=thread"], "specsync: scheduler='thread' must be 'server' (co-located) or 'rank'"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(overrides, message):
