@@ -253,13 +253,14 @@ class ShutdownTimeout(TimeoutError):
         self.request = request
 
 
-def shutdown(comm: Any, timeout: float | None = None) -> None:
+def shutdown(comm: Any, timeout: float | None = None, while_waiting: Callable[[], None] | None = None) -> None:
     """Return once every rank of `comm` has called this: an `Ibarrier`, tested with growing sleeps in between.
 
     A rank that finishes early (the others still training, or rank 0 still writing the run folder) sleeps instead
     of spinning inside a blocking barrier on a core a slower rank may need. With `timeout` seconds, raise an error
     naming this rank if the others have not all arrived by then (a rank stuck or gone): `ShutdownTimeout`, whose
     `request` is the barrier, still posted; wait on it, or abort the world (collsync's entry point does).
+    `while_waiting()` is called between two tests (a server still answering requests while the others finish).
     """
     from collsync.runtime.mpi_rma import Backoff
     from collsync.runtime.mpi_world import rank_prefix
@@ -274,6 +275,8 @@ def shutdown(comm: Any, timeout: float | None = None) -> None:
                 "(one is still working, stuck or gone)",
                 request,
             )
+        if while_waiting is not None:
+            while_waiting()
         backoff.wait()
 
 

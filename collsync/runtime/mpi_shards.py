@@ -210,10 +210,11 @@ class Shards:
         others = [j for j in range(self.servers) if j != self.rank]
         return snapshot([self.mailboxes[j] for j in others], [self.bounds[j] for j in others], out)
 
-    def close(self) -> None:
-        """Collective over the world: once every rank got here (an Ibarrier polled with pauses), free the windows."""
+    def close(self, while_waiting: Callable[[], None] | None = None) -> None:
+        """Collective over the world: once every rank got here (an Ibarrier polled with pauses), free the windows.
+        `while_waiting()` runs between two polls (see `mpi_coll.shutdown`)."""
         from collsync.runtime.mpi_coll import shutdown
 
-        shutdown(self.world)
+        shutdown(self.world, while_waiting=while_waiting)
         for mailbox in self.mailboxes:
             mailbox.free()

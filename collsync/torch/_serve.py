@@ -6,11 +6,17 @@ nodes, the number of workers) when a `DistributedOptimizer` in a server mode is 
 collectively by every rank of the world (`collsync.runtime.mpi_shards.open_shards`), and shard j is served by
 `collsync.loops.run_server` on rank j exactly as `collsync-train runtime=mpi` serves it. At the workers'
 `shutdown()`, worker 0 sends `None`: the server ranks leave MPI and exit with status 0.
+
+Checkpoints: while serving, a server answers worker 0's request (`TAG_STATE`) with its `Server.state_dict()`
+between two messages (`DistributedOptimizer.server_state_dict()`), and a job may carry those states back
+(`DistributedOptimizer(..., server_state=...)`), so a script saves and resumes the servers' parameters and rule
+states as it saves its own model.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +25,8 @@ import torch
 from collsync.policy import SyncPolicy
 
 TAG_JOB = 7301
+TAG_STATE = 7302  # worker 0 -> server j: send me your state
+TAG_STATE_REPLY = 7303  # server j -> worker 0: `Server.state_dict()`
 
 
 @dataclass
@@ -31,16 +39,19 @@ class Job:
     penalty: dict[str, Any] | None
     workers: int
     ema_decay: float | None = None
+    state: list[dict[str, Any]] | None = None  # one `Server.state_dict()` per shard, to resume from
 
 
-def _recv(world: Any, source: int) -> Any:
+def _wait_for(world: Any, source: int, tag: int, while_waiting: Callable[[], None] | None = None) -> Any:
     """A message from `source`, waited for with pauses (a blocking MPI receive would spin on a shared core)."""
     from collsync.runtime.mpi_rma import Backoff
 
     backoff = Backoff(cap=5e-3)
-    while not world.Iprobe(source=source, tag=TAG_JOB):
+    while not world.Iprobe(source=source, tag=tag):
+        if while_waiting is not None:
+            while_waiting()
         backoff.wait()
-    return world.recv(source=source, tag=TAG_JOB)
+    return world.recv(source=source, tag=tag)
 
 
 def serve_forever(st: Any) -> None:
@@ -49,7 +60,7 @@ def serve_forever(st: Any) -> None:
 
     with abort_on_error(st.world, (ValueError, TimeoutError)):
         while True:
-            job = _recv(st.world, st.servers)
+            job = _wait_for(st.world, st.servers, TAG_JOB)
             if job is None:
                 break
             serve(st.world, st.servers, job)
@@ -69,8 +80,31 @@ def serve(world: Any, servers: int, job: Job) -> None:
     shards = Shards(world, job.params.numel(), servers, job.params.dtype)
     block = job.params[shards.block]
     server = Server(block, optimizer, job.policy, job.workers, penalty=penalty, ema_decay=job.ema_decay)
-    run_server(server, shards.own, until_left=True)
-    shards.close()
+    if job.state is not None:
+        if len(job.state) != servers:
+            raise ValueError(f"server_state: {len(job.state)} shard state(s) for {servers} server(s)")
+        # Gradients the saved run's workers had sent for a round to come belong to that run: these workers send
+        # their own.
+        server.load_state_dict({**job.state[shards.rank], "pending": {}})
+    first_worker = servers  # worker 0's rank in the world
+
+    def answer(server: Server) -> None:
+        if world.Iprobe(source=first_worker, tag=TAG_STATE):
+            world.recv(source=first_worker, tag=TAG_STATE)
+            world.send(server.state_dict(), dest=first_worker, tag=TAG_STATE_REPLY)
+
+    run_server(server, shards.own, until_left=True, between=answer)
+    # Training is over once one worker left a round policy; worker 0 may still ask for the state meanwhile.
+    shards.close(while_waiting=lambda: answer(server))
+
+
+def server_states(world: Any, servers: int, while_waiting: Callable[[], None]) -> list[dict[str, Any]]:
+    """Worker 0: every server's `Server.state_dict()`, in shard order (each taken between two of its messages).
+    `while_waiting()` runs between polls: a server whose training ended waits for this worker to say it has seen
+    the end before it answers from its shutdown."""
+    for j in range(servers):
+        world.send(None, dest=j, tag=TAG_STATE)
+    return [_wait_for(world, j, TAG_STATE_REPLY, while_waiting) for j in range(servers)]
 
 
 def send_job(world: Any, servers: int, job: Job) -> None:

@@ -268,7 +268,12 @@ class ServerMode:
     `loops.pull`, the two halves of the worker loop `collsync-train` runs (`loops.run_worker`)."""
 
     def __init__(
-        self, st: World, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], config: SyncConfig
+        self,
+        st: World,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        config: SyncConfig,
+        server_state: dict[str, Any] | None = None,
     ) -> None:
         from collsync.loops import Worker
         from collsync.runtime.mpi_shards import Shards
@@ -285,8 +290,10 @@ class ServerMode:
         if numel < st.servers:
             raise ValueError(f"DistributedOptimizer: {numel} parameters cannot be split over {st.servers} servers")
         self.params = self.flat.read_params().clone()
+        shard_states = _shard_states(server_state, st.servers, policy.name)
         if st.comm.Get_rank() == 0:
-            send_job(st.world, st.servers, Job(self.params.clone(), policy, rule, config.penalty, workers))
+            job = Job(self.params.clone(), policy, rule, config.penalty, workers, state=shard_states)
+            send_job(st.world, st.servers, job)
         self.shards = Shards(st.world, numel, st.servers, self.flat.buf.dtype)
         self.mailbox = self.shards.worker_mailbox(policy.pull_fraction, policy.pull_timeout)
         self.worker = Worker(self.mailbox.worker, policy)
@@ -294,6 +301,7 @@ class ServerMode:
         self.optimizer = optimizer
         self.finished = False
         self.left = False
+        self.closed = False
         self._pull()
 
     def _pull(self) -> None:
@@ -331,6 +339,21 @@ class ServerMode:
         self.leave()
         return self.st.comm.Get_rank()
 
+    def server_state_dict(self) -> dict[str, Any]:
+        from collsync.torch._serve import server_states
+
+        if self.st.comm.Get_rank() != 0:
+            raise ValueError("server_state_dict(): only worker 0 (rank() == 0) asks the servers for their state")
+        if self.closed:
+            raise ValueError("server_state_dict(): this optimizer is closed and its servers gone; ask before close()")
+
+        def seen_the_end() -> None:
+            if not self.left and self.mailbox.peek().done:
+                self.leave()  # training ended (another worker left a round policy): the servers wait for us
+
+        shards = server_states(self.st.world, self.st.servers, seen_the_end)
+        return {"format": 1, "sync": self.name, "shards": shards}
+
     def leave(self) -> None:
         if not self.left:
             self.mailbox.leave()
@@ -339,7 +362,21 @@ class ServerMode:
 
     def close(self) -> None:
         self.leave()
+        self.closed = True
         self.shards.close()
+
+
+def _shard_states(saved: dict[str, Any] | None, servers: int, name: str) -> list[dict[str, Any]] | None:
+    """The per-shard states of `server_state_dict()`'s result, checked against this world."""
+    if saved is None:
+        return None
+    if not isinstance(saved, dict) or saved.get("format") != 1 or "shards" not in saved:
+        raise ValueError("server_state: not what DistributedOptimizer.server_state_dict() returns")
+    if len(saved["shards"]) != servers:
+        raise ValueError(f"server_state: saved from {len(saved['shards'])} server(s), this world has {servers}")
+    if saved.get("sync") != name:
+        raise ValueError(f"server_state: saved under sync={saved.get('sync')!r}, resumed under sync={name!r}")
+    return list(saved["shards"])
 
 
 class _Distributed:
@@ -377,6 +414,20 @@ class _Distributed:
         if st.joiner == mode.join:
             st.joiner = None
 
+    def server_state_dict(self) -> dict[str, Any]:
+        """Server modes, on worker 0: the servers' state (each shard's parameters, EMA, rule state and version,
+        taken between two of its messages), to save beside the model's and pass back as
+        `DistributedOptimizer(..., server_state=...)` to resume. It holds tensors, numbers and lists only, so
+        `torch.load(weights_only=True)` reads it. Serverless modes have no server: save the model and the
+        optimizer's `state_dict()` on rank 0 as with Horovod."""
+        mode = self._collsync
+        if not isinstance(mode, ServerMode):
+            raise ValueError(
+                f"server_state_dict(): sync={mode.name!r} has no server; save model.state_dict() and "
+                "optimizer.state_dict() on rank 0 and broadcast them when resuming, as with Horovod"
+            )
+        return mode.server_state_dict()
+
     @property
     def sync_mode(self) -> str:
         """The mode this optimizer runs: bsp, backup, async, ssp, psp or bfasgd."""
@@ -406,13 +457,15 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     process_set: Any = ops.global_process_set,
     *,
     sync: Any = None,
+    server_state: dict[str, Any] | None = None,
     **sync_options: Any,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that `step()` synchronises the workers as `sync` says (default: what `init(sync=...)`
     set, else "bsp"); returns the same object, its class extended. Horovod's arguments keep Horovod's meaning under
     `bsp`; `sync_options` are the mode's own (`backups=1`, `max_lead=3`, `penalty="gap_aware"`, ... see
     `collsync.torch.sync_config`). `num_groups` / `groups` only group Horovod's reductions: collsync fuses every
-    gradient into one reduction, so they change nothing.
+    gradient into one reduction, so they change nothing. `server_state`: server modes, what
+    `server_state_dict()` returned in an earlier run: the servers go on from it (the workers pull its parameters).
 
     Raises:
         ValueError: a bad option, a mode the world cannot run, an optimizer the parameter server cannot apply.
@@ -437,8 +490,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires a gradient")
     mode: Any
     name = config.policy.name
+    if server_state is not None and not st.servers:
+        raise ValueError("DistributedOptimizer: server_state is for server modes; this world reserved no servers")
     if st.servers:
-        mode = ServerMode(st, optimizer, params, config)
+        mode = ServerMode(st, optimizer, params, config, server_state)
     elif config.servers:
         raise ValueError(
             f"DistributedOptimizer(sync={name!r}) runs on parameter-server ranks, which are reserved when the "

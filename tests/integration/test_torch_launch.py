@@ -161,3 +161,32 @@ def test_example_reads_mnist_idx_files(tmp_path):
     proc = mpirun(2, "examples/mnist.py", "--mnist", str(tmp_path), "--epochs", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert accuracy(proc.stdout) >= 0.90
+
+
+@pytest.mark.parametrize("sync", ["async", "bsp"])
+def test_server_state_saves_and_resumes(tmp_path, sync):
+    """Server modes: worker 0 saves server_state_dict() with torch.save; a new launch passes it back as
+    server_state=, every worker's model starts from the saved server parameters (checked in the script) and the
+    servers' version goes on from the saved one. bsp: one worker leaving ends training while worker 0 still asks."""
+    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
+    proc = mpirun(3, str(SCRIPTS / "torch_resume.py"), "--sync", sync, "--out", str(first))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = mpirun(3, str(SCRIPTS / "torch_resume.py"), "--sync", sync, "--resume", str(first), "--out", str(second))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = torch.load(first, weights_only=True)["shards"][0]
+    after = torch.load(second, weights_only=True)["shards"][0]
+    assert after["version"] > before["version"] > 0
+    assert not torch.equal(after["params"], before["params"])
+
+
+def test_server_state_refuses_what_does_not_fit():
+    from collsync.torch.optimizer import _shard_states
+
+    saved = {"format": 1, "sync": "async", "shards": [{}]}
+    assert _shard_states(saved, 1, "async") == [{}]
+    with pytest.raises(ValueError, match=r"saved from 1 server\(s\), this world has 2"):
+        _shard_states(saved, 2, "async")
+    with pytest.raises(ValueError, match="saved under sync='async', resumed under sync='ssp'"):
+        _shard_states(saved, 1, "ssp")
+    with pytest.raises(ValueError, match="not what DistributedOptimizer.server_state_dict"):
+        _shard_states({"params": 1}, 1, "async")
