@@ -83,6 +83,9 @@ SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
 MinJobAge=86400
+# Job ids that do not repeat those of an earlier cluster in this folder: MPICH names its shared-memory segments
+# after the PMI job id, and one left in /dev/shm by an aborted run would make a new job of that id fail to start.
+FirstJobId=$(( $(date +%s) % 1000000 * 10 + 1000 ))
 SchedulerParameters=sched_interval=1
 # A failed MPI step is killed (SIGKILL) this many seconds after SIGTERM; the default 30 s slows every failing test.
 KillWait=5

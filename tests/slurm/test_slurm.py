@@ -151,7 +151,8 @@ def test_submitit_sweep_with_a_failing_member_ends_naming_it(launched):
     assert failed, output[-3000:]
     assert FAILING in output
     assert job_states(failed.group(1)) == {failed.group(1): "FAILED"}
-    assert summary(folder / "0")["final_acc"] is not None  # the member that could run did
+    ran = summary(folder / "0")  # the member that could run did: the simulator, in a one-task job
+    assert ran["final_acc"] is not None and ran["clock"] == "simulated"
 
 
 def test_submitit_slurm_mpi_launcher_runs_mpi_jobs(launched):
