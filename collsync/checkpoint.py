@@ -162,11 +162,13 @@ class Schedule:
     (either None to switch it off)."""
 
     def __init__(self, every: int | None, seconds: float | None, version: int = 0) -> None:
-        if every is not None and int(every) < 1:
-            raise ValueError(f"checkpoint.every={every} must be >= 1 (or null)")
-        if seconds is not None and not float(seconds) > 0:
-            raise ValueError(f"checkpoint.seconds={seconds} must be > 0 (or null)")
-        self.every, self.seconds = (int(every) if every is not None else None), seconds
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"checkpoint.every={every!r} must be a whole number >= 1 (or null)")
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
+        ):
+            raise ValueError(f"checkpoint.seconds={seconds!r} must be a number > 0 (or null)")
+        self.every, self.seconds = every, (float(seconds) if seconds is not None else None)
         self.version, self.time = version, time.monotonic()
 
     def due(self, version: int) -> bool:

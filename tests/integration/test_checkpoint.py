@@ -160,5 +160,9 @@ def test_schedule_counts_updates_and_seconds(monkeypatch: pytest.MonkeyPatch) ->
     assert not by_time.due(1)
     clock[0] += 10.0
     assert by_time.due(2)
-    with pytest.raises(ValueError, match="checkpoint.every=0 must be >= 1"):
-        checkpoint.Schedule(every=0, seconds=None)
+    for every in (0, "abc", 2.5, True):
+        with pytest.raises(ValueError, match=f"checkpoint.every={every!r} must be a whole number >= 1"):
+            checkpoint.Schedule(every=every, seconds=None)
+    for seconds in (0, -1.0, "soon"):
+        with pytest.raises(ValueError, match=f"checkpoint.seconds={seconds!r} must be a number > 0"):
+            checkpoint.Schedule(every=None, seconds=seconds)
