@@ -329,7 +329,8 @@ PAPER_SPECSYNC = (
     "Cherrypick grid without a grid search: 42.3 s against 40.9-41.1 s to 90% with homogeneous workers. (3) The gain "
     "is smaller with heterogeneous workers: Adaptive's time to 90% is 27.5 s against ASP's 28.2 s there, and 42.3 s "
     "against 45.7 s with homogeneous workers. The accuracy curves show where it helps: with homogeneous workers "
-    "ASP dips between 15 and 35 s (many equally stale gradients arrive together) and SpecSync's fresher restarts "
+    "ASP dips between 15 and 35 s (we think because homogeneous workers push in bursts of equally stale "
+    "gradients) and SpecSync's fresher restarts "
     "smooth that out (time to 80%: 19.8 s against 25.4 s). (4) Naive waiting is no free lunch: 0.3 s of waiting "
     "(30% of an iteration) is slower than ASP (35.5 and 47.3 s against 28.2 and 45.7 s), as the paper's 3-5 s "
     "delays were. "
@@ -346,7 +347,7 @@ PAPER_SPECSYNC = (
     "uncover: with 8 workers, a speculation period of 0.1-0.3 s sees 1-2 of the others' pushes, where the paper's "
     "40 workers pushed more than 6 in the first 2 s of a 14 s iteration (Fig. 3). Freshness buys little when the "
     "gradients were already good enough. Each abort throws away up to ABORT_TIME of compute: Adaptive wasted "
-    "64-99 worker-seconds per run, about a tenth of the workers' time. The simulator charges nothing for the "
+    "64-99 worker-seconds per run, 12-14% of the workers' time. The simulator charges nothing for the "
     "re-sync pulls themselves (a pull is instantaneous here), so communication cost does not explain the small "
     "gain; on a real network it would shrink it further."
 )
