@@ -55,7 +55,8 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
 fi
 
 host=$(hostname -s)
-cpus=$(nproc)
+# nproc alone would count OMP_NUM_THREADS (tests/run.sh exports 1), not the CPUs this process may use.
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 # A fresh cluster every time: no jobs or node states left from an earlier one.
 rm -rf "$DIR/state" "$DIR/spool"
 mkdir -p "$DIR/state" "$DIR/spool" "$DIR/bin"

@@ -175,17 +175,20 @@ def test_srun_without_mpi_plugin_stops_with_one_line(cluster, submit_dir):
 
 
 def test_small_node_needs_overcommit(cluster, submit_dir):
-    """What slurm/README.md says of a node with fewer CPUs than tasks (this one has 2): sbatch --ntasks=5 pends for
-    ever; --ntasks-per-node=3 is refused even with --overcommit (why the slurm_mpi launcher's tasks_per_node must fit
-    the node)."""
-    job = sbatch(submit_dir, "--ntasks=5", "--wrap=true")
+    """What slurm/README.md says of a node with fewer CPUs than tasks: sbatch pends for ever without --overcommit,
+    and --ntasks-per-node beyond the CPUs is refused even with it (why the slurm_mpi launcher's tasks_per_node must
+    fit the node)."""
+    cpus = int(
+        subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, timeout=30).stdout.split()[0]
+    )
+    job = sbatch(submit_dir, f"--ntasks={cpus + 1}", "--wrap=true")
     try:
         time.sleep(2)  # a scheduling pass
         reason = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True).stdout
         assert reason.split() == ["PENDING", "PartitionConfig"]
     finally:
         subprocess.run(["scancel", job], timeout=30)
-    wait_for(job, "sbatch --ntasks=5 on 2 CPUs (cancelled)")
-    args = ["sbatch", "--ntasks-per-node=3", "--overcommit", "--wrap=true"]
+    wait_for(job, f"sbatch --ntasks={cpus + 1} on {cpus} CPUs (cancelled)")
+    args = ["sbatch", f"--ntasks-per-node={cpus + 1}", "--overcommit", "--wrap=true"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=submit_dir)
     assert proc.returncode != 0 and "Requested node configuration is not available" in proc.stderr
