@@ -13,5 +13,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 echo "collsync setup: installing collsync[mpich,dev,slurm] (torch pinned by constraints.txt)"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[mpich,dev,slurm]" "$@"
+# setuptools prints a boxed note on every editable install (that a folder named like the package in the working
+# directory could shadow it: here the package is that folder); it says nothing about this install, so it is muted.
+PYTHONWARNINGS="ignore:Editable installation" \
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[mpich,dev,slurm]" "$@"
 .venv/bin/python -c "import torch, mpi4py, hypothesis, collsync; print(f'collsync setup: ok (torch {torch.__version__}, mpi4py {mpi4py.__version__})')"
