@@ -1,6 +1,6 @@
 """SpecSync over MPI for real (004_..., Alg. 2): one server rank, four workers with injected gamma stragglers, and
 the scheduler in the server's loop (-n 5) or on a rank of its own (-n 6); re-syncs abort gradients at their safe
-points. About 30 s per MPI launch and 15 s for the simulator run both are compared with."""
+points. About 25 s per MPI launch and 10 s for the simulator run both are compared with (unloaded)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.integration.test_mpi_cli import MPIEXEC, launch, summary
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)")
 
-OVERRIDES = ["sync=specsync", "optimizer=sgd"]  # SpecSync-Adaptive over ASP, 300 updates
+OVERRIDES = ["sync=specsync", "optimizer=sgd", "steps=200"]  # SpecSync-Adaptive over ASP
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +42,13 @@ def test_specsync_over_mpi_aborts_for_real_and_trains_to_the_simulators_accuracy
     assert proc.returncode == 0, proc.stderr[-2000:]
     real = summary(tmp_path / "mpi")
     assert real["workers"] == 4
-    assert real["trace_checks"]["updates"] == 300
+    assert real["trace_checks"]["updates"] == 200
     assert real["best_acc"] >= simulated["best_acc"] - 0.05, (real["best_acc"], simulated["best_acc"])
     trace = Trace.read_jsonl(tmp_path / "mpi" / "run" / "trace.jsonl")
     check_trace(trace, specsync(), 4)  # the abort events included
     spec = real["specsync"]
     aborts = trace.of("abort")
-    assert spec["tunings"] > 0 and spec["notifies"] >= 290  # one per push but each worker's first
+    assert spec["tunings"] > 0 and spec["notifies"] >= 190  # one per push but each worker's first
     assert len(aborts) == spec["aborts"] > 0 and spec["resyncs"] >= spec["aborts"]
     assert all(e["wasted"] > 0 for e in aborts)
     numel = spec["bytes"]["push"] // real["pushed"]  # bytes of one full gradient (and of one full pull)
