@@ -40,6 +40,11 @@ class SyncConfig:
     depth: int = 8
     rule: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        if self.policy.speculation is not None:
+            # Its aborts would have to leave the user's own backward pass (docs/ARCHITECTURE.md, SpecSync): not wired.
+            raise ValueError(f"sync={self.name}: SpecSync runs in collsync-train only, not through collsync.torch yet")
+
     @property
     def name(self) -> str:
         return self.policy.name

@@ -178,3 +178,14 @@ def test_safe_points_abort_a_gradient_between_layers():
     assert torch.equal(grads.at(flat.params.clone(), x, y), whole)  # an aborted gradient leaves nothing behind
     for h in handles:
         h.remove()
+
+
+def test_collsync_torch_refuses_specsync_rather_than_run_it_as_plain_asp():
+    from collsync.torch.config import from_config, sync_config
+
+    with pytest.raises(ValueError, match="SpecSync runs in collsync-train only"):
+        sync_config(specsync())
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=["sync=specsync", "runtime=mpi"])
+    with pytest.raises(ValueError, match="SpecSync runs in collsync-train only"):
+        from_config(cfg)
