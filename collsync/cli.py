@@ -32,6 +32,19 @@ _PRINT_GRACE_S = 3.0
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
 
 
+def _failed_job(report: str) -> str:
+    """submitit's report of a failed job (its id, state and error stream) as one line: the job and the error line
+    the member printed (collsync's own, when there is one)."""
+    job = re.search(r"Job (\S+) \(task: \d+\)", report)
+    state = re.search(r"\(state: (\w+)\)", report)
+    lines = [line.strip() for line in report.splitlines() if line.strip() and not line.startswith("---")]
+    said = [line for line in lines if line.startswith("collsync-train:")] or lines[-1:]
+    return (
+        f"sweep job {job[1] if job else '?'} failed (state {state[1] if state else 'unknown'}): "
+        f"{said[-1] if said else 'no error stream'}"
+    )
+
+
 def user_error(exc: BaseException) -> str | None:
     """The one-line message of an error in the user's input (config, data, run folder, launch), or None for a bug.
 
@@ -44,6 +57,8 @@ def user_error(exc: BaseException) -> str | None:
         exc = exc.__cause__
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
         return _missing_option(exc)
+    if type(exc).__name__ == "UncompletedJobError":  # submitit: a sweep member's job failed on the cluster
+        return _failed_job(str(exc))
     if isinstance(exc, OverrideParseException):
         detail = exc.message.splitlines()[0] if exc.message else "does not parse"
         return f"{exc.override}: {detail} (Hydra's override grammar: key=value, group=option, +key=value)"

@@ -147,9 +147,10 @@ def finish_sweep(launched: Launched, name: str) -> tuple[int, str, Path]:
 def test_submitit_sweep_with_a_failing_member_ends_naming_it(launched):
     code, output, folder = finish_sweep(launched, "failing")
     assert code != 0
-    failed = re.search(r"Job (\d+_1) \(task: 0\) .*\n.*\(state: FAILED\)", output)
+    # One line: the job, its state and the member's own error line; no traceback.
+    failed = re.search(r"collsync-train: error: sweep job (\d+_1) failed \(state FAILED\): (.*)", output)
     assert failed, output[-3000:]
-    assert FAILING in output
+    assert failed.group(2) == FAILING and "Traceback" not in output
     assert job_states(failed.group(1)) == {failed.group(1): "FAILED"}
     ran = summary(folder / "0")  # the member that could run did: the simulator, in a one-task job
     assert ran["final_acc"] is not None and ran["clock"] == "simulated"
