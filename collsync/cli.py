@@ -164,9 +164,11 @@ def _fail(message: str, code: int = 2, what: str = "error") -> None:
 
     if MPI.COMM_WORLD.Get_rank() != 0:
         time.sleep(_PRINT_GRACE_S)  # rank 0 prints the error all ranks meet, and aborts the world meanwhile
+    who = rank_prefix(MPI.COMM_WORLD)
+    message = message.removeprefix(f"{who}: ")  # the runtime's own errors name the rank already: once is enough
     # A newline first: another rank's progress bar may hold the launcher's merged stream mid-line.
     print(
-        f"\ncollsync-train: {rank_prefix(MPI.COMM_WORLD)}: {what + ': ' if what else ''}{message}",
+        f"\ncollsync-train: {who}: {what + ': ' if what else ''}{message}",
         file=sys.stderr,
         flush=True,
     )

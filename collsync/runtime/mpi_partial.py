@@ -55,6 +55,7 @@ Memory on the host: (n + depth) * numel floats. Calls are made in round order 0,
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -150,6 +151,7 @@ class PartialAllreduce(Windows):
         self.size, self.rank = size, rank
         self.round = 0  # the next round this rank reads
         self._who = rank_prefix(comm)
+        self._hosts: list[str] = comm.allgather(socket.gethostname())  # so a timeout names a late rank's host
         self._np = np.float32 if dtype == torch.float32 else np.float64
         self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
         self._entry = _ENTRY_HEAD + size
@@ -301,7 +303,9 @@ class PartialAllreduce(Windows):
         """Step 4 (the last counted arrival): sum the `quorum` posted contributions in rank order; publish the mean."""
         ranks = self._poll(
             lambda: _posted_for(self._load_many(self._posted, self.size), round_, quorum),
-            lambda: f"round {round_} combines, but fewer than {quorum=} ranks have posted their data",
+            lambda: (
+                f"round {round_} combines, but fewer than {quorum=} ranks have posted their data" + self._late(round_)
+            ),
         )
         parts = torch.empty(quorum, self.numel, dtype=self.dtype)
         for i, r in enumerate(ranks):
@@ -316,6 +320,12 @@ class PartialAllreduce(Windows):
             mean.add_(parts[i])
         mean.div_(quorum)
         self._publish(mean, quorum, ranks, round_)
+
+    def _late(self, round_: int) -> str:
+        """'; waiting on rank 2 on node17': the ranks that have not posted `round_`, for a timeout's message."""
+        posted = self._load_many(self._posted, self.size)
+        late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in range(self.size) if int(posted[r]) < round_)
+        return f"; waiting on {late}" if late else ""
 
     def _publish(self, mean: Flat, quorum: int, ranks: list[int], round_: int) -> None:
         """Seqlock write: tag 'writing', then the mean and record (both flushed), then the tag that says complete."""
@@ -342,7 +352,9 @@ class PartialAllreduce(Windows):
 
         def describe() -> str:
             arrived = arrival_index(self._load(entry), round_, self.depth, self.size)
-            return f"round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks arrived, {quorum=}"
+            return f"round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks arrived, {quorum=}" + self._late(
+                round_
+            )
 
         self._poll(probe, describe)
         record = self._load_many(entry + 2, 2 + self.size)

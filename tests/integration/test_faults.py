@@ -70,9 +70,9 @@ def _loadable(tmp_path: Path) -> dict:
     [
         (["runtime=mpi", "sync=async", "optimizer=sgd", "steps=100000"], 2),
         (["runtime=mpi", "sync=bsp", "steps=100000"], 0),
-        (["runtime=allreduce", "sync=bsp", "steps=100000"], 1),
+        (["runtime=partial", "sync=backup", "steps=100000"], 1),
     ],
-    ids=["mpi-worker", "mpi-server", "allreduce-rank1"],
+    ids=["mpi-worker", "mpi-server", "partial-rank1"],
 )
 def test_a_killed_rank_ends_the_job_at_once_and_the_last_checkpoint_resumes(tmp_path, overrides, rank):
     code, err, took = _hit_once_checkpointed(tmp_path, 3, rank, signal.SIGKILL, *overrides)
@@ -95,10 +95,10 @@ def test_a_killed_rank_ends_the_job_at_once_and_the_last_checkpoint_resumes(tmp_
     ("overrides", "rank", "says"),
     [
         (["runtime=mpi", "sync=async", "optimizer=sgd", "steps=100000"], 0, "no word from the server, rank 0 on "),
-        (["runtime=allreduce", "sync=bsp", "steps=100000"], 0, "allreduce did not complete within deadline=2s"),
         (["runtime=allreduce", "sync=bsp", "steps=100000"], 2, "allreduce did not complete within deadline=2s"),
+        (["runtime=partial", "sync=bsp", "steps=100000"], 2, "; waiting on rank 2 on "),
     ],
-    ids=["mpi-server", "allreduce-rank0", "allreduce-rank2"],
+    ids=["mpi-server", "allreduce-rank2", "partial-rank2"],
 )
 def test_a_stopped_rank_ends_the_job_within_its_deadline(tmp_path, overrides, rank, says):
     """SIGSTOP: the others notice by the deadline (workers give a silent server twice the deadline plus the time
