@@ -28,9 +28,12 @@ pytestmark = [
 FAST = ["sync.deadline=2", "checkpoint.every=10", "eval_every=50"]
 
 
-def _hit_once_checkpointed(tmp_path: Path, ranks: int, rank: int, sig: int, *overrides: str) -> tuple[int, str, float]:
-    """Launch, wait for the first checkpoint, send `sig` to rank `rank`; return (exit status, stderr, seconds from
-    the signal to the end of the job). A stopped rank is killed at the end whatever happened."""
+def _hit_once_checkpointed(
+    tmp_path: Path, ranks: int, rank: int | range, sig: int, *overrides: str
+) -> tuple[int, str, float]:
+    """Launch, wait for the first checkpoint, send `sig` to rank `rank` (or each rank of a range); return (exit
+    status, stderr, seconds from the signal to the end of the job). A stopped rank is killed at the end whatever
+    happened."""
     proc = subprocess.Popen(
         command(tmp_path, ranks, *FAST, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -41,8 +44,10 @@ def _hit_once_checkpointed(tmp_path: Path, ranks: int, rank: int, sig: int, *ove
         while not ckpt.exists() and time.monotonic() < end and proc.poll() is None:
             time.sleep(0.05)
         assert ckpt.exists(), proc.communicate(timeout=60)[1][-2000:]
-        pids = _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", rank)
-        assert pids, f"rank {rank} not found"
+        assert proc.poll() is None, "the run ended before the signal: make it longer"
+        targets = rank if isinstance(rank, range) else [rank]
+        pids = [pid for r in targets for pid in _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", r)]
+        assert pids, f"rank(s) {list(targets)} not found"
         hit = time.monotonic()
         for pid in pids:
             os.kill(pid, sig)
@@ -122,7 +127,9 @@ def test_sigterm_checkpoints_and_the_resumed_run_is_bitwise_the_uninterrupted_on
     """SIGTERM to every rank (as Slurm sends it): the job writes a checkpoint and the run folder and exits 143
     within seconds; resumed to the same number of steps, it ends equal to a run never stopped."""
     steps = 400
-    code, err, took = _terminate_all(tmp_path / "stopped", overrides, steps)
+    code, err, took = _hit_once_checkpointed(
+        tmp_path / "stopped", 3, range(3), signal.SIGTERM, *overrides, f"steps={steps}"
+    )
     assert code == 128 + signal.SIGTERM, err[-1500:]
     assert "stopped by SIGTERM at server step" in err and took < 30, (took, err[-1500:])
     stopped_at = torch.load(tmp_path / "stopped" / "run" / checkpoint.NAME, weights_only=True)["version"]
@@ -140,27 +147,3 @@ def test_sigterm_checkpoints_and_the_resumed_run_is_bitwise_the_uninterrupted_on
     b = torch.load(tmp_path / "plain" / "run" / "params.pt", weights_only=False)
     assert a["version"] == b["version"] == steps
     assert torch.equal(a["params"], b["params"]), f"resumed at {stopped_at}: not the uninterrupted run"
-
-
-def _terminate_all(tmp_path: Path, overrides: list[str], steps: int) -> tuple[int, str, float]:
-    """Launch, wait for the first checkpoint, SIGTERM every rank at once."""
-    proc = subprocess.Popen(
-        command(tmp_path, 3, *FAST, *overrides, f"steps={steps}"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        end = time.monotonic() + 120
-        while not (tmp_path / "run" / checkpoint.NAME).exists() and time.monotonic() < end and proc.poll() is None:
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before the signal: make it longer"
-        hit = time.monotonic()
-        for rank in range(3):
-            for pid in _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", rank):
-                os.kill(pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-        return proc.returncode, err, time.monotonic() - hit
-    finally:
-        if proc.poll() is None:
-            proc.kill()
