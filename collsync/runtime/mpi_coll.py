@@ -2,13 +2,18 @@
 
 `MpiCollective` averages a whole flat vector at once. `BucketReducer` averages `FlatModel.grads` while the backward
 pass is still running: the gradient is cut into buckets (contiguous slices, last layers first) and each bucket's
-nonblocking `Iallreduce` starts as soon as backward has produced all of it (Horovod's tensor fusion, PyTorch DDP's
-gradient buckets). `shutdown` lets ranks that finish at different times leave together without spinning.
+reduction starts as soon as backward has produced all of it (Horovod's tensor fusion, PyTorch DDP's gradient
+buckets). The reductions run on a `CommThread`: a thread that sits in a blocking `MPI_Allreduce` with the GIL
+released while autograd goes on in the main thread (Horovod's background thread), so the sum progresses without the
+main thread polling. `shutdown` lets ranks that finish at different times leave together without spinning.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +39,124 @@ def wait(request: Any, deadline: float | None, what: str) -> None:
         if time.monotonic() >= end:
             raise TimeoutError(f"{what} did not complete within deadline={deadline:g}s: a rank stopped, hangs or died")
         backoff.wait()
+
+
+def threads_supported() -> bool:
+    """Whether MPI was initialised with MPI_THREAD_MULTIPLE (mpi4py's default), which a `CommThread` needs: its
+    reductions run while the main thread may call MPI on another communicator."""
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+class CommThread:
+    """A thread that runs in-place sums over its own duplicate of `comm`, one at a time, in the order posted.
+
+    `post(array, then)` queues `MPI_Allreduce(IN_PLACE, array, SUM)` and returns at once; `then()` (the division by
+    the world size, say) runs in the thread after the sum, while the data is still in cache. `wait(deadline, what)`
+    returns once everything posted is done. mpi4py releases the GIL inside MPI calls and torch inside its kernels,
+    so the thread's reduction and the main thread's backward pass run at the same time (Horovod's background thread,
+    Sergeev & Del Balso 2018; the gradients come out last layer first, so the first buckets are summed while the
+    earlier layers' gradients are still being computed).
+
+    Every rank posts the same sequence (MPI matches collectives on a communicator by order); the duplicate
+    communicator keeps these sums apart from whatever the main thread reduces meanwhile. `wait` with a `deadline`
+    raises TimeoutError once the sums have not completed in that many seconds (a rank stopped, hangs or died, and a
+    collective cannot say which); the thread is then stuck in MPI until the world is aborted, as collsync's entry
+    point does after any error. `blocking=False`: the thread polls `Iallreduce` with `Test` and `sched_yield()`
+    instead of waiting inside MPI (MPICH spins in a blocking wait, on a core the main thread may need).
+    Construction and `close()` are collective over `comm`.
+    """
+
+    def __init__(self, comm: Any, *, blocking: bool = True, name: str = "collsync-allreduce") -> None:
+        from mpi4py import MPI
+
+        if not threads_supported():
+            raise RuntimeError("CommThread: MPI was not initialised with MPI_THREAD_MULTIPLE")
+        self.MPI = MPI
+        self.comm = comm.Dup()
+        self.blocking = blocking
+        self._cv = threading.Condition()
+        self._jobs: deque[tuple[Any, Callable[[], None] | None] | None] = deque()
+        self._posted = 0
+        self._done = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def post(self, array: Any, then: Callable[[], None] | None = None) -> None:
+        """Queue an in-place sum of `array` (a numpy view of a tensor) over the ranks, then `then()`."""
+        with self._cv:
+            self._jobs.append((array, then))
+            self._posted += 1
+            self._cv.notify()
+
+    def _sum(self, array: Any) -> None:
+        MPI = self.MPI  # noqa: N806 - the module's own name
+        if self.blocking:
+            self.comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+            return
+        request = self.comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        while not request.Test():
+            os.sched_yield()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                job = self._jobs.popleft()
+            if job is None:
+                return
+            array, then = job
+            try:
+                self._sum(array)
+                if then is not None:
+                    then()
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread, which raises it
+                with self._cv:
+                    self._error = error
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._done += 1
+                if self._done == self._posted:
+                    self._cv.notify_all()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing posted is still running."""
+        return self._done == self._posted
+
+    def wait(self, deadline: float | None, what: str) -> None:
+        """Return once every posted sum is done; raise TimeoutError after `deadline` seconds (None: no limit), or
+        the thread's own error."""
+        end = None if deadline is None else time.monotonic() + deadline
+        with self._cv:
+            while self._done < self._posted:
+                if self._error is not None:
+                    raise RuntimeError(f"{what} failed: {self._error}") from self._error
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"{what}: the reduction thread is closed")
+                if end is None:
+                    self._cv.wait()
+                    continue
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{what} did not complete within deadline={deadline:g}s: a rank stopped, hangs or died"
+                    )
+                self._cv.wait(left)
+
+    def close(self) -> None:
+        """Stop the thread once it is idle, and free the duplicate communicator (collective). A thread still stuck
+        in a sum (after a timeout) is left to the world's abort."""
+        with self._cv:
+            self._jobs.append(None)
+            self._cv.notify()
+        self._thread.join(timeout=1.0)
+        if not self._thread.is_alive() and self.comm != self.MPI.COMM_NULL:
+            self.comm.Free()
 
 
 class MpiCollective:
@@ -103,8 +226,11 @@ class BucketReducer:
     divided by the world size while it is still in cache. Every rank divides the same sums the same way, so the
     replicas stay bit-identical.
 
-    `poll`: test the buckets in flight from every hook. MPICH moves a nonblocking collective only while its rank is
-    inside an MPI call, so without this a bucket started early makes no progress until the end of backward.
+    `thread` (the default wherever MPI allows threads and there is more than one rank): each bucket's sum runs on a
+    `CommThread`, which divides it too, while backward goes on; the end of backward waits for the last one. Else
+    each bucket is an `Iallreduce` from the hook, and `poll` tests the buckets in flight from every hook: MPICH
+    moves a nonblocking collective only while its rank is inside an MPI call, so without this a bucket started early
+    makes no progress until the end of backward.
 
     One backward pass per step (no gradient accumulation across backward passes: each one is reduced). A rank whose
     backward reached no parameter at all runs no hook and no callback; it must call `wait()` to join the step's
@@ -119,6 +245,7 @@ class BucketReducer:
         *,
         poll: bool = True,
         deadline: float | None = None,
+        thread: bool | None = None,
     ) -> None:
         from mpi4py import MPI
 
@@ -158,6 +285,9 @@ class BucketReducer:
         self._next = 0
         self._requests: list[Any] = []
         self._state = _IDLE
+        if thread is None:
+            thread = self.size > 1 and threads_supported()
+        self._thread = CommThread(comm) if thread else None
         params = dict(flat.module.named_parameters())
         self._handles = [
             params[name].register_post_accumulate_grad_hook(self._hook(i)) for i, (name, _, _) in enumerate(flat.layers)
@@ -183,7 +313,7 @@ class BucketReducer:
             self._missing[bucket] -= 1
             while self._next < len(self.buckets) and self._missing[self._next] == 0:
                 self._start(self._next)
-            if self.poll and self._requests:
+            if self.poll and self._requests and self._thread is None:
                 self.MPI.Request.Testall(self._requests)
 
         return hook
@@ -197,12 +327,20 @@ class BucketReducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _start(self, bucket: int) -> None:
-        self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._arrays[bucket], op=self.MPI.SUM))
+        if self._thread is not None:
+            view = self._views[bucket]
+            self._thread.post(self._arrays[bucket], lambda: view.div_(self.size))
+        else:
+            self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._arrays[bucket], op=self.MPI.SUM))
         self._next = bucket + 1
 
     def _finish(self) -> None:
         while self._next < len(self.buckets):
             self._start(self._next)
+        if self._thread is not None:
+            self._thread.wait(self.deadline, "a gradient bucket's allreduce")
+            self._state = _REDUCED
+            return
         for request, view in zip(self._requests, self._views, strict=True):
             wait(request, self.deadline, "a gradient bucket's allreduce")
             if self.size > 1:
@@ -234,10 +372,14 @@ class BucketReducer:
         return mean
 
     def remove(self) -> None:
-        """Unregister the hooks (backward passes after this are not reduced)."""
+        """Unregister the hooks (backward passes after this are not reduced) and stop the reduction thread
+        (collective: it frees the thread's communicator)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Unregister the hooks, then `shutdown(comm, timeout)`."""
