@@ -4,7 +4,7 @@ Dividing the gradient before Adam would divide both moments, and m_hat / sqrt(u_
 ("the first and second moments cancel each other out", App. C.1). So the penalty cannot be chained in front of
 `adam`; these optimizers apply it inside:
 
-    m <- beta1 m + (1 - beta1) g / P        P = max(tau, 1) (Adam-SA, Alg. 10) or the Gap G (Adam-GA, Alg. 11)
+    m <- beta1 m + (1 - beta1) g / P        P = tau (Adam-SA, Alg. 10) or the Gap G (Adam-GA, Alg. 11)
     u <- beta2 u + (1 - beta2) g^2          (unpenalised)
     delta = -eta m_hat / (sqrt(u_hat) + eps)
 
@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from collsync.rules.base import Rule, check_lr, check_positive, check_unit, warmup_lr, zeros_like
+from collsync.rules.base import Rule, check_lr, check_positive, check_tau, check_unit, warmup_lr, zeros_like
 from collsync.rules.gap import GapAwareState, Spans, gap_rule
-from collsync.rules.staleness import staleness_aware
+from collsync.rules.staleness import TauMode, staleness_aware
 from collsync.types import Context, Flat, State
 
 
@@ -49,12 +49,15 @@ def adam_sa(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     warmup: int = 0,
+    tau: TauMode = "staleness",
 ) -> Rule:
-    """Adam-Staleness-Aware (001_... Alg. 10): m <- beta1 m + (1 - beta1) g / max(tau, 1); u, m_hat, u_hat as Adam.
+    """Adam-Staleness-Aware (001_... Alg. 10): m <- beta1 m + (1 - beta1) g / tau; u, m_hat, u_hat as Adam.
 
-    At tau <= 1 it is `collsync.rules.adam` bit for bit.
+    tau = max(staleness, 1) (default) or staleness + 1 (`tau="boxes"`, Alg. 10 as printed); see
+    `collsync.rules.staleness`. At tau = 1 it is `collsync.rules.adam` bit for bit.
     """
-    penalty = staleness_aware()
+    check_tau("adam_sa", tau)
+    penalty = staleness_aware(tau)
 
     def wrap(m: torch.Tensor, u: torch.Tensor, count: int, pen: State) -> AdamSAState:
         return AdamSAState(m, u, count)

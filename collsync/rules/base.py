@@ -8,7 +8,7 @@ parameters; `collsync.server.Server.accept` is the only place parameters change.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
@@ -37,8 +37,27 @@ class EmptyState(NamedTuple):
     """The state of a stateless rule."""
 
 
-def identity() -> Rule:
-    """The rule that passes its input through: `penalty=none`."""
+TauMode = Literal["staleness", "boxes"]
+"""How a staleness penalty counts the delay tau from `ctx.staleness`: max(staleness, 1) (001_... §4's prose) or
+staleness + 1 (001_... Alg. 3/5/7/10); see `collsync.rules.staleness`."""
+
+TAU_MODES: tuple[str, ...] = get_args(TauMode)
+
+
+def check_tau(name: str, tau: str) -> None:
+    """Reject an unknown tau convention, naming the rule and the value."""
+    if tau not in TAU_MODES:
+        raise ValueError(f"{name}: tau={tau!r} must be one of {', '.join(TAU_MODES)}")
+
+
+def identity(tau: TauMode = "staleness") -> Rule:
+    """The rule that passes its input through: `penalty=none`.
+
+    `tau` does nothing here; it is `penalty.tau` of `conf/penalty/none.yaml`, which the optimizers that penalise
+    inside themselves (`adam_sa`, `fasgd`) read through their config, so that `penalty.tau=boxes` reaches every SA
+    variant under one key.
+    """
+    check_tau("penalty", tau)
 
     def init(params: Flat) -> EmptyState:
         return EmptyState()

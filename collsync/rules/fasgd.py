@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from collsync.rules.base import Rule, check_lr, check_positive, check_unit, zeros_like
-from collsync.rules.staleness import staleness_tau
+from collsync.rules.staleness import TauMode, check_tau, staleness_tau
 from collsync.types import Context, Flat, State
 
 
@@ -32,13 +32,18 @@ class FASGDState(NamedTuple):
     v: torch.Tensor
 
 
-def fasgd(lr: float = 1.0, gamma: float = 0.9, beta: float = 0.9, eps: float = 1e-8) -> Rule:
+def fasgd(
+    lr: float = 1.0, gamma: float = 0.9, beta: float = 0.9, eps: float = 1e-8, tau: TauMode = "staleness"
+) -> Rule:
     """Faster ASGD (002_... eqs. 4-8), per parameter, on each gradient Delta theta as it arrives:
 
         n <- gamma n + (1 - gamma) g^2                      (4)
         b <- gamma b + (1 - gamma) g                        (5)
         v <- beta v + (1 - beta) / sqrt(n - b^2 + eps)      (6)
-        delta = -alpha / (v * tau) * g                      (7, 8)     tau = max(staleness, 1); alpha = `lr`
+        delta = -alpha / (v * tau) * g                      (7, 8)     alpha = `lr`
+
+    tau = max(staleness, 1) by default; `tau="boxes"` gives staleness + 1, as 002_...'s FRED code and 001_...'s
+    algorithm boxes count it (`collsync.rules.staleness`).
 
     n, b and v start at zero (the paper gives no initial values); there is no bias correction. The paper leaves
     gamma and beta untuned; 0.9 matches the moving averages of its FRED code. n - b^2 >= 0 in exact arithmetic
@@ -48,6 +53,7 @@ def fasgd(lr: float = 1.0, gamma: float = 0.9, beta: float = 0.9, eps: float = 1
     check_unit("fasgd", "gamma", gamma)
     check_unit("fasgd", "beta", beta)
     check_positive("fasgd", "eps", eps)
+    check_tau("fasgd", tau)
 
     def init(params: Flat) -> FASGDState:
         return FASGDState(zeros_like(params), zeros_like(params), zeros_like(params))
@@ -56,7 +62,7 @@ def fasgd(lr: float = 1.0, gamma: float = 0.9, beta: float = 0.9, eps: float = 1
         n = state.n * gamma + (1 - gamma) * grad * grad
         b = state.b * gamma + (1 - gamma) * grad
         v = state.v * beta + (1 - beta) / torch.sqrt((n - b * b).clamp_min(0) + eps)
-        delta = grad * (-lr / staleness_tau(ctx)) / v
+        delta = grad * (-lr / staleness_tau(ctx, tau)) / v
         return delta, FASGDState(n, b, v)
 
     return Rule(init, update)
