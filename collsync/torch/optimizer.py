@@ -24,6 +24,8 @@ What `step()` does depends on the mode:
 
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from collsync.runtime.mpi_coll import threads_supported
 from collsync.torch import ops
 from collsync.torch._world import World, state
 from collsync.torch.config import SyncConfig, server_rule, sync_config
@@ -132,6 +135,139 @@ def _one_dtype(params: list[torch.Tensor], mode: str) -> _Flat:
     return _Flat(params)
 
 
+def _exact_scale(factor: float) -> bool:
+    """Multiplying by `factor` (a power of two) rounds nothing, so it commutes with a floating-point sum."""
+    return factor > 0 and math.frexp(factor)[0] == 0.5
+
+
+class _Overlap:
+    """bsp's reduction of one flat gradient buffer while backward runs (Horovod's tensor fusion on its background
+    thread; Sergeev & Del Balso 2018).
+
+    The parameters' gradients live in `flat.buf`, in buckets of about `BUCKET_BYTES` of whole parameters, last
+    parameters first (backward produces them first). When a parameter's last backward pass of the step (of
+    `passes`) accumulates its gradient, the hook moves it into its slice of the buffer, scaled on the way, and points
+    `p.grad` at that slice, so the reduced mean is where the optimizer reads it and nothing is copied back. A bucket
+    whose parameters are all in starts at once on a `CommThread` (buckets strictly in order: MPI matches collectives
+    by order, and a rank may finish parameters in another order); `finish()` (from `step()` or `synchronize()`)
+    starts what is left, parameters that got no gradient counting as zero, and waits, bounded by `deadline`.
+
+    The mean is Horovod's: g_bar = post * sum_r (pre * g_r). When pre is 1 and post a power of two (1/n for
+    Average on a world of 2^k ranks), post is applied before the sum, fused with the move into the buffer: scaling
+    by a power of two rounds nothing, so the numbers are the same, and the pass after the sum is saved. Otherwise
+    the thread scales each bucket after its sum. The join flag (the buffer's last element, 1 from a worker that
+    steps) travels in the first bucket.
+    """
+
+    BUCKET_BYTES = 4 * 2**20
+
+    def __init__(self, comm: Any, flat: _Flat, pre: float, post: float, passes: int, deadline: float | None) -> None:
+        from collsync.runtime.mpi_coll import CommThread
+
+        self.flat, self.passes, self.deadline = flat, passes, deadline
+        if pre == 1.0 and post != 1.0 and _exact_scale(post):
+            pre, post = post, 1.0
+        self.pre, self.post = pre, post
+        buf, params = flat.buf, flat.params
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for n in flat.sizes:
+            self.views.append(buf[offset : offset + n])
+            offset += n
+        item = buf.element_size()
+        self.buckets: list[list[int]] = []
+        current: list[int] = []
+        held = 0
+        for i in reversed(range(len(params))):
+            current.append(i)
+            held += flat.sizes[i] * item
+            if held >= self.BUCKET_BYTES:
+                self.buckets.append(current)
+                current, held = [], 0
+        if current:
+            self.buckets.append(current)
+        starts = [offset - flat.sizes[0] for offset in itertools.accumulate(flat.sizes)]
+        slices = [(starts[b[-1]], starts[b[0]] + flat.sizes[b[0]]) for b in self.buckets]
+        slices[0] = (slices[0][0], buf.numel())  # the join flag, after the last parameter
+        self.slices = [buf[a:z] for a, z in slices]
+        self.arrays = [v.numpy() for v in self.slices]
+        self.bucket_of = [0] * len(params)
+        for b, members in enumerate(self.buckets):
+            for i in members:
+                self.bucket_of[i] = b
+        self.counts = [0] * len(params)
+        self.missing = [len(b) for b in self.buckets]
+        self.next = 0
+        self.thread = CommThread(comm)
+
+    def hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def counted(p: torch.Tensor) -> None:
+            self.counts[index] += 1
+            if self.counts[index] > self.passes:
+                raise AssertionError(_PASSES_MESSAGE)
+            if self.counts[index] < self.passes:
+                return
+            self._stage(index)
+            bucket = self.bucket_of[index]
+            self.missing[bucket] -= 1
+            while self.next < len(self.buckets) and self.missing[self.next] == 0:
+                self._start(self.next)
+
+        return counted
+
+    def _stage(self, index: int) -> None:
+        """Parameter `index`'s gradient into its slice of the buffer, times `pre`; `p.grad` becomes that slice."""
+        p, view = self.flat.params[index], self.views[index]
+        g = p.grad
+        if g is None:
+            view.zero_()
+        elif g.is_sparse:
+            raise NotImplementedError(
+                "DistributedOptimizer: sparse gradients are reduced only with sparse_as_dense=True"
+            )
+        elif g.data_ptr() == view.data_ptr() and g.is_contiguous():
+            if self.pre != 1.0:
+                view.mul_(self.pre)  # accumulated in place (no zero_grad(set_to_none=True) in between)
+        elif self.pre != 1.0:
+            torch.mul(g.detach().reshape(-1), self.pre, out=view)
+        else:
+            view.copy_(g.detach().reshape(-1))
+        if g is None or g.data_ptr() != view.data_ptr():
+            p.grad = view.view_as(p)
+
+    def _start(self, bucket: int) -> None:
+        if bucket == 0:
+            self.flat.buf[-1] = self.pre  # the join flag: this worker steps
+        view = self.slices[bucket]
+        self.thread.post(self.arrays[bucket], None if self.post == 1.0 else lambda: view.mul_(self.post))
+        self.next = bucket + 1
+
+    def finish(self) -> None:
+        """Start the buckets not started yet (their parameters' gradients as they are, None as zero) and wait."""
+        while self.next < len(self.buckets):
+            for index in self.buckets[self.next]:
+                if self.counts[index] < self.passes:
+                    self._stage(index)
+            self._start(self.next)
+        try:
+            self.thread.wait(self.deadline, "DistributedOptimizer: the gradient allreduce")
+        finally:
+            self.counts = [0] * len(self.counts)
+            self.missing = [len(b) for b in self.buckets]
+            self.next = 0
+
+    def idle_round(self) -> torch.Tensor:
+        """Join: one reduction with zeros and the flag 0, matching a stepping worker's buckets; the summed buffer."""
+        self.flat.buf.zero_()
+        for b in range(len(self.buckets)):
+            self.thread.post(self.arrays[b])
+        self.thread.wait(self.deadline, "DistributedOptimizer: join's allreduce")
+        return self.flat.buf
+
+    def close(self) -> None:
+        self.thread.close()
+
+
 class AllreduceMode:
     """Full sync (`bsp` without servers), Horovod's numbers: see the module docstring."""
 
@@ -146,6 +282,7 @@ class AllreduceMode:
         op: int,
         predivide: float,
         sparse_as_dense: bool = False,
+        deadline: float | None = None,
     ) -> None:
         self.st, self.compression, self.passes, self.op = st, compression, passes, op
         # Horovod's split of the average: 1/f before the sum, f/size after it (the 1/size applied by the reduction).
@@ -155,8 +292,23 @@ class AllreduceMode:
             groups.setdefault(p.dtype, []).append(p)
         self.flats = [_Flat(ps, flag=i == 0, sparse_as_dense=sparse_as_dense) for i, ps in enumerate(groups.values())]
         self.counts = {id(p): 0 for p in params}
-        self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
         self.synchronized = False
+        self.overlap: _Overlap | None = None
+        size = st.comm.Get_size()
+        if (
+            st.backend != "horovod"
+            and compression is ops.Compression.none
+            and not sparse_as_dense
+            and len(self.flats) == 1
+            and self.flats[0].buf.dtype in (torch.float32, torch.float64)
+            and size > 1
+            and threads_supported()
+        ):
+            post = self.post / size if op == ops.Average else self.post
+            self.overlap = _Overlap(st.comm, self.flats[0], self.pre, post, passes, deadline)
+            self.handles = [p.register_post_accumulate_grad_hook(self.overlap.hook(i)) for i, p in enumerate(params)]
+        else:
+            self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
 
     def _count(self, p: torch.Tensor) -> None:
         self.counts[id(p)] += 1
@@ -178,6 +330,10 @@ class AllreduceMode:
         return out
 
     def synchronize(self) -> None:
+        if self.overlap is not None:
+            self.overlap.finish()
+            self.synchronized = True
+            return
         means = self.reduce([f.grads() for f in self.flats])
         for flat, mean in zip(self.flats, means, strict=True):
             flat.set_grads(mean)
@@ -203,7 +359,10 @@ class AllreduceMode:
         that joined last."""
         rounds = 0
         while True:
-            sums = self.reduce([f.grads(active=False) for f in self.flats])
+            if self.overlap is not None:
+                sums = [self.overlap.idle_round()]
+            else:
+                sums = self.reduce([f.grads(active=False) for f in self.flats])
             if sums[0][-1].item() == 0:  # nobody stepped in this reduction: everyone has joined
                 break
             rounds += 1
@@ -213,6 +372,8 @@ class AllreduceMode:
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+        if self.overlap is not None:
+            self.overlap.close()
 
 
 class PartialMode:
@@ -501,7 +662,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         )
     elif name == "bsp":
         mode = AllreduceMode(
-            st, params, compression, backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense
+            st,
+            params,
+            compression,
+            backward_passes_per_step,
+            op,
+            gradient_predivide_factor,
+            sparse_as_dense,
+            deadline=config.policy.deadline,
         )
     elif name == "backup":
         if compression is not ops.Compression.none or op != ops.Average or gradient_predivide_factor != 1.0:
