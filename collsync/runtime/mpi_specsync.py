@@ -9,9 +9,15 @@ trainer's traffic), each a few int64 / float64 words:
     worker -> both        BYE     [worker]                           last message of a worker (nothing follows)
     scheduler -> worker   RESYNC  [iteration]                        re-sync the gradient after that notify
     scheduler -> worker   RESYNC  [-1]                               last message to a worker, after its BYE
+    rank 0 -> worker      SUMMARY {aborts, notifies, ...}            after the end marker, when asked (`tell`)
 
 Messages between two ranks on one communicator never overtake each other, so the BYE / [-1] pair drains both
 directions at the end: the scheduler has every abort to trace, and no re-sync is left unreceived.
+
+`collsync.torch` runs the same two classes: server rank 0's `_serve.serve` polls a `SchedulerService` from its
+`run_server` loop and tells every worker its counts at the end (`close(tell=True)`), and each worker's
+`DistributedOptimizer` holds a `Speculator` whose safe points are hooks on the user's model (`bye()` when the
+worker leaves, `drain(told=True)` when its optimizer closes).
 
 The scheduler (`collsync.specsync.Scheduler`) runs inside rank 0's server loop (`loops.run_server(poll=...)`,
 `scheduler=server`), which polls it at least every `POLL_S` and on time for its next timer, or on a rank of its
@@ -36,7 +42,7 @@ import numpy as np
 from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Aborted, Scheduler, Speculation
 from collsync.trace import Trace
 
-NOTIFY, ABORT, BYE, RESYNC = 11, 12, 13, 14
+NOTIFY, ABORT, BYE, RESYNC, SUMMARY = 11, 12, 13, 14, 15
 ABORT_BYTES = 32  # [worker, clock, version, wasted] as float64: counted with the notifications
 POLL_S = 0.001  # the longest rank 0's server loop goes without polling the scheduler
 SLICE_S = 0.002  # an injected delay is slept in slices this long, with a safe point between two
@@ -112,9 +118,11 @@ class SchedulerService:
                 elif tag == BYE:
                     self.byes.add(source)
 
-    def close(self, timeout: float | None) -> None:
+    def close(self, timeout: float | None, tell: bool = False) -> None:
         """After training: no more re-syncs; wait (at most `timeout` s) for every worker's BYE, answer each with the
-        end marker, and complete every send."""
+        end marker, and complete every send. `tell`: then send each worker `summary()` (`collsync.torch`, whose
+        workers have no run folder to read the counts from); every abort report came before its worker's BYE, so
+        the counts are final."""
         self.sending = False
         end = None if timeout is None else time.monotonic() + timeout
         while len(self.byes) < len(self.workers) and (end is None or time.monotonic() < end):
@@ -123,6 +131,9 @@ class SchedulerService:
         if self.schedules:
             marker = np.array([-1], dtype=np.int64)
             self.requests += [self.comm.Isend(marker, dest=rank, tag=RESYNC) for rank in sorted(self.byes)]
+        if tell:
+            info = self.summary()
+            self.requests += [self.comm.isend(info, dest=rank, tag=SUMMARY) for rank in sorted(self.byes)]
         self.MPI.Request.Waitall(self.requests)
         self.requests = []
 
@@ -168,7 +179,11 @@ class Speculator:
         self.requests: list[Any] = []
         self.bytes = 0
         self.resync_bytes = 0  # parameters pulled again after aborts (counted by `loops.run_worker`)
+        self.aborts = 0  # gradients this worker aborted (reported)
+        self.wasted_s = 0.0  # ... and the model seconds they had taken
+        self.summary: dict[str, Any] | None = None  # the scheduler's counts, when `drain(told=True)` got them
         self._buf = np.empty(1, dtype=np.int64)
+        self._said_bye = False
 
     def notify(self) -> None:
         self.iteration += 1
@@ -199,20 +214,42 @@ class Speculator:
         buf = np.array([self.worker, clock, version, wasted], dtype=np.float64)
         self.requests.append(self.comm.Isend(buf, dest=self.tracer, tag=ABORT))
         self.bytes += ABORT_BYTES
+        self.aborts += 1
+        self.wasted_s += wasted
 
     def close(self, timeout: float | None) -> None:
         """Training is over: BYE, then take re-syncs until the end marker (at most `timeout` s), complete sends."""
+        self.bye()
+        self.drain(timeout)
+
+    def bye(self) -> None:
+        """This worker sends nothing more (BYE to the scheduler's rank and to rank 0; once)."""
         self.computing = -1
+        if self._said_bye:
+            return
+        self._said_bye = True
         for rank in sorted({self.rank0, self.tracer}):
             self.requests.append(self.comm.Isend(np.array([self.worker, 0], dtype=np.int64), dest=rank, tag=BYE))
+
+    def drain(self, timeout: float | None, told: bool = False) -> None:
+        """After `bye()`: take re-syncs until the end marker (at most `timeout` s), complete the sends; `told`: then
+        receive the scheduler's counts into `summary` (rank 0 sends them after the marker, `close(tell=True)`)."""
         end = None if timeout is None else time.monotonic() + timeout
+        marked = False
         while end is None or time.monotonic() < end:
             if self.comm.Iprobe(source=self.rank0, tag=RESYNC):
                 self.comm.Recv(self._buf, source=self.rank0, tag=RESYNC)
                 if int(self._buf[0]) == -1:
+                    marked = True
                     break
             else:
                 time.sleep(POLL_S)
+        # Polled with pauses, as above: a blocking receive would spin on a core another rank may need.
+        while told and marked and (end is None or time.monotonic() < end):
+            if self.comm.Iprobe(source=self.tracer, tag=SUMMARY):
+                self.summary = self.comm.recv(source=self.tracer, tag=SUMMARY)
+                break
+            time.sleep(POLL_S)
         self.MPI.Request.Waitall(self.requests)
         self.requests = []
 

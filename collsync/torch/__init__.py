@@ -7,9 +7,10 @@
 
 Launch as under Horovod: `mpiexec -n 5 python train.py` or `srun --mpi=pmi2 -n 5 python train.py`. The modes:
 `bsp` (Horovod's allreduce, on mpi4py or on Horovod itself with `backend="horovod"`), `backup` (k-of-n partial
-allreduce), and the parameter-server modes `async`, `ssp`, `psp`, `bfasgd` (shards on MPI one-sided windows on
-ranks 0..M-1, which serve inside `init()` and never run the script). See `collsync.torch.optimizer` for each mode's
-semantics and `collsync.torch.config` for the options.
+allreduce), and the parameter-server modes `async`, `ssp`, `psp`, `bfasgd`, `specsync` (shards on MPI one-sided
+windows on ranks 0..M-1, which serve inside `init()` and never run the script; SpecSync's scheduler runs in rank 0's
+server loop, and `hvd.speculative(step)` re-runs a step a re-sync aborted). See `collsync.torch.optimizer` for each
+mode's semantics and `collsync.torch.config` for the options.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from collsync.torch.ops import (
 )
 from collsync.torch.optimizer import DistributedOptimizer
 from collsync.torch.partial import partial_allreduce
+from collsync.torch.speculative import speculative
 from collsync.torch.sync_batch_norm import SyncBatchNorm
 
 
@@ -150,6 +152,7 @@ __all__ = [
     "servers",
     "shutdown",
     "size",
+    "speculative",
     "sync_config",
     "synchronize",
     "where",

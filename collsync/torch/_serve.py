@@ -7,6 +7,13 @@ collectively by every rank of the world (`collsync.runtime.mpi_shards.open_shard
 `collsync.loops.run_server` on rank j exactly as `collsync-train runtime=mpi` serves it. At the workers'
 `shutdown()`, worker 0 sends `None`: the server ranks leave MPI and exit with status 0.
 
+SpecSync (004_..., Alg. 2): with a policy that speculates, every rank of the world `Dup`s it right after the shards
+open (the messages' own communicator, as `collsync-train` has), and server rank 0 runs the scheduler inside its
+`run_server` loop (`poll=`), as `collsync-train sync=specsync` does: the workers' notifies come in, re-syncs go out,
+abort reports are counted. Once every worker said BYE, each is sent the scheduler's counts
+(`SchedulerService.close(tell=True)`). Its clock is wall seconds (`abort_time`, `wait` in seconds: a script has
+no straggler model to scale).
+
 Checkpoints: while serving, a server answers worker 0's request (`TAG_STATE`) with its `Server.state_dict()`
 between two messages (`DistributedOptimizer.server_state_dict()`), and a job may carry those states back
 (`DistributedOptimizer(..., server_state=...)`), so a script saves and resumes the servers' parameters and rule
@@ -87,15 +94,29 @@ def serve(world: Any, servers: int, job: Job) -> None:
         # their own.
         server.load_state_dict({**job.state[shards.rank], "pending": {}})
     first_worker = servers  # worker 0's rank in the world
+    # SpecSync: the messages' communicator (collective, right after the shards on every rank) and the scheduler.
+    speculation = job.policy.speculation
+    spec_comm = world.Dup() if speculation is not None else None
+    service = None
+    if spec_comm is not None and shards.rank == 0:
+        from collsync.runtime.mpi_specsync import SchedulerService
+
+        workers = list(range(servers, servers + job.workers))
+        service = SchedulerService(spec_comm, speculation, workers, 1.0, None)
 
     def answer(server: Server) -> None:
         if world.Iprobe(source=first_worker, tag=TAG_STATE):
             world.recv(source=first_worker, tag=TAG_STATE)
             world.send(server.state_dict(), dest=first_worker, tag=TAG_STATE_REPLY)
 
-    run_server(server, shards.own, until_left=True, between=answer)
+    run_server(server, shards.own, until_left=True, between=answer, poll=None if service is None else service.poll)
+    if service is not None:
+        # Every worker says BYE when it leaves; the last leaves after this server stopped under a round policy.
+        service.close(job.policy.deadline, tell=True)
     # Training is over once one worker left a round policy; worker 0 may still ask for the state meanwhile.
     shards.close(while_waiting=lambda: answer(server))
+    if spec_comm is not None:
+        spec_comm.Free()
 
 
 def server_states(world: Any, servers: int, while_waiting: Callable[[], None]) -> list[dict[str, Any]]:

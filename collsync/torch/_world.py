@@ -33,6 +33,7 @@ class World:
     backend: str
     cleanups: list[Any] = field(default_factory=list)
     joiner: Any = None  # the live optimizer's join, if it has one
+    speculating: Any = None  # the live optimizer's SpecSync side (`speculative()` re-runs steps through it), if any
     # More ranks on this node than cores: a rank waiting in a blocking collective would spin on a core another rank
     # needs to compute, so waits poll a nonblocking operation with pauses instead.
     oversubscribed: bool = False

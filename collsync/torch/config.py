@@ -20,10 +20,10 @@ import torch
 
 from collsync.policy import SyncPolicy
 
-MODES = ("bsp", "backup", "async", "ssp", "psp", "bfasgd")
+MODES = ("bsp", "backup", "async", "ssp", "psp", "bfasgd", "specsync")
 PENALTIES = ("none", "staleness_aware", "staleness_aware_step", "gap_aware")
 # Modes that have no serverless form: their updates come from a parameter server.
-SERVER_MODES = ("async", "ssp", "psp", "bfasgd")
+SERVER_MODES = ("async", "ssp", "psp", "bfasgd", "specsync")
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,19 @@ class SyncConfig:
     rule: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.policy.speculation is not None:
-            # Its aborts would have to leave the user's own backward pass (docs/ARCHITECTURE.md, SpecSync): not wired.
-            raise ValueError(f"sync={self.name}: SpecSync runs in collsync-train only, not through collsync.torch yet")
+        speculation = self.policy.speculation
+        if speculation is not None and speculation.scheduler != "server":
+            # The script's world is fixed at init() (servers first, then workers): a scheduler rank of its own would
+            # be a third role there, and the server loop polls the scheduler at no extra rank.
+            raise ValueError(
+                f"sync={self.name}: scheduler={speculation.scheduler!r} (a rank of its own) runs in collsync-train "
+                "only; through collsync.torch the scheduler runs in server rank 0's loop (scheduler='server')"
+            )
+        if speculation is not None and self.servers < 1:
+            raise ValueError(
+                f"sync={self.name}: servers={self.servers}; SpecSync's scheduler runs on a parameter server "
+                "(servers >= 1)"
+            )
 
     @property
     def name(self) -> str:

@@ -12,7 +12,8 @@ What `step()` does depends on the mode:
   n - b gradients of round t to arrive are averaged (000_..., Chen et al., Alg. 3-4), every replica applies that
   same mean with your optimizer, and a gradient that came late is dropped and counted (`dropped`). A worker whose
   round is already complete reads the mean without contributing.
-* `async`, `ssp`, `psp`, `bfasgd` (and any mode once `init` reserved servers): the parameter server on MPI windows.
+* `async`, `ssp`, `psp`, `bfasgd`, `specsync` (and any mode once `init` reserved servers): the parameter server on
+  MPI windows.
   `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
   applied on the servers by collsync's rule made from your optimizer's class and hyperparameters
   (`config.server_rule`) plus the penalty; your optimizer's own state is not used (it stays empty) and a change of
@@ -20,6 +21,9 @@ What `step()` does depends on the mode:
   the workers leave (`shutdown()`, at exit, or `join()`): under a round policy (BSP, backup, SSP, PSP) as soon as
   one worker leaves, since its rounds can no longer complete; the other workers' `step()` then returns without
   changing the model (`finished` is True).
+* `specsync` (004_..., over async or ssp): as above, and the scheduler in server rank 0's loop may abort a gradient
+  under way; `collsync.torch.speculative` says where and what `step()` then does (`speculative(step)`,
+  `step(closure)`, or `aborted` after a plain `step()`).
 """
 
 from __future__ import annotations
@@ -460,10 +464,19 @@ class ServerMode:
         self.worker = Worker(self.mailbox.worker, policy)
         self.lrs = [g.get("lr") for g in optimizer.param_groups]
         self.optimizer = optimizer
+        self.deadline = policy.deadline
         self.finished = False
         self.left = False
         self.closed = False
+        self.spec: Any = None
+        if policy.speculation is not None:
+            from collsync.torch.speculative import Speculating
+
+            # SpecSync: the messages' communicator, right after the shards, as the servers make theirs.
+            self.spec = Speculating(self, st.world, params, policy.speculation)
         self._pull()
+        if self.spec is not None:
+            self.spec.computing()  # the first gradient: no notify before it (Alg. 2 notifies after a push)
 
     def _pull(self) -> None:
         from collsync.loops import pull
@@ -477,24 +490,40 @@ class ServerMode:
         """Nothing to average locally: the gradient goes to the servers at `step()` (clip it in between)."""
 
     def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
-        from collsync.loops import push
-
+        if self.spec is not None:
+            # SpecSync: the closure re-runs on an abort; without one, an abort here throws the gradient away.
+            return self.spec.step(closure, self._send)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self.finished:
             return loss
+        self._send()
+        return loss
+
+    def _send(self) -> None:
+        """Push this worker's gradient and pull fresh parameters into the model (SpecSync: wait, then notify)."""
+        from collsync.loops import push
+
         if [g.get("lr") for g in self.optimizer.param_groups] != self.lrs:
             self.lrs = [g.get("lr") for g in self.optimizer.param_groups]
             warnings.warn(
                 f"DistributedOptimizer(sync={self.name!r}): the learning rate changed to {self.lrs}, but the "
                 "parameter server applies the rule it was given at construction",
-                stacklevel=3,
+                stacklevel=5 if self.spec is not None else 4,
             )
         push(self.worker, self.mailbox, self.flat.grads().clone())
+        if self.spec is not None:
+            self.spec.before_pull()
         self._pull()
-        return loss
+        if self.spec is not None:
+            self.spec.pulled()
+
+    @property
+    def version(self) -> int:
+        """The server version of the parameters the model holds (the last pull)."""
+        return self.worker.version
 
     def join(self) -> int:
         self.leave()
@@ -520,11 +549,18 @@ class ServerMode:
             self.mailbox.leave()
             self.left = True
             self.finished = True
+            if self.spec is not None:
+                self.spec.leave()
 
     def close(self) -> None:
         self.leave()
         self.closed = True
+        if self.spec is not None:
+            # The scheduler answers every worker's BYE once all came: the end marker, then its counts.
+            self.spec.drain(self.deadline)
         self.shards.close()
+        if self.spec is not None:
+            self.spec.close()
 
 
 def _shard_states(saved: dict[str, Any] | None, servers: int, name: str) -> list[dict[str, Any]] | None:
@@ -574,6 +610,8 @@ class _Distributed:
             mode.close()
         if st.joiner == mode.join:
             st.joiner = None
+        if st.speculating is not None and st.speculating is getattr(mode, "spec", None):
+            st.speculating = None
 
     def server_state_dict(self) -> dict[str, Any]:
         """Server modes, on worker 0: the servers' state (each shard's parameters, EMA, rule state and version,
@@ -589,10 +627,36 @@ class _Distributed:
             )
         return mode.server_state_dict()
 
+    def speculative(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, a training step (forward, backward, `step()`), run again on fresh parameters each
+        time a SpecSync re-sync aborts it (`collsync.torch.speculative`); other modes just call it."""
+        spec = getattr(self._collsync, "spec", None)
+        return fn(*args, **kwargs) if spec is None else spec.run(fn, *args, **kwargs)
+
     @property
     def sync_mode(self) -> str:
-        """The mode this optimizer runs: bsp, backup, async, ssp, psp or bfasgd."""
+        """The mode this optimizer runs: bsp, backup, async, ssp, psp, bfasgd or specsync."""
         return self._collsync.name
+
+    @property
+    def version(self) -> int | None:
+        """Server modes: the server version of the parameters the model holds (its last pull); else None."""
+        return getattr(self._collsync, "version", None)
+
+    @property
+    def aborted(self) -> bool:
+        """SpecSync: the last `step()` threw its gradient away (a re-sync came; the model holds fresh parameters,
+        the batch was not used). Never True inside `speculative(...)` or with a closure: those re-run instead."""
+        spec = getattr(self._collsync, "spec", None)
+        return spec is not None and spec.aborted
+
+    @property
+    def specsync(self) -> dict[str, Any] | None:
+        """SpecSync: this worker's `aborts`, `wasted_s`, `notifies`, `resync_pull_bytes`, `message_bytes`, and
+        `scheduler`, the scheduler's counts (`aborts`, `resyncs`, `notifies`, `abort_time`, `abort_rate`,
+        `tunings`, ...), there once the optimizer closed (`close()` or `shutdown()`). None in other modes."""
+        spec = getattr(self._collsync, "spec", None)
+        return None if spec is None else spec.summary()
 
     @property
     def dropped(self) -> int:
@@ -686,4 +750,6 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     optimizer._should_synchronize = True  # type: ignore[attr-defined]
     st.cleanups.append(mode.close)
     st.joiner = mode.join
+    if getattr(mode, "spec", None) is not None:
+        st.speculating = mode.spec  # `collsync.torch.speculative(step)` runs steps through it
     return optimizer
