@@ -86,10 +86,19 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
 
 
 def build(node: dict[str, Any] | None) -> Any:
-    """Instantiate a node made by `_node`, `server_rule` or `from_config` (None stays None)."""
+    """Instantiate a node made by `_node`, `server_rule` or `from_config` (None stays None). A factory's own
+    ValueError (a bad value, `specsync: base='bsp' must be ...`) comes out as that one line, not Hydra's wrapper."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    return None if node is None else instantiate(node)
+    if node is None:
+        return None
+    try:
+        return instantiate(node)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, ValueError):
+            raise ValueError(str(exc.__cause__)) from None
+        raise
 
 
 def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
