@@ -36,6 +36,10 @@ class Dataset(NamedTuple):
     y_test: torch.Tensor
     classes: int
     name: str
+    shift: int = 0
+    """Training batches are shifted by up to this many pixels each way (random shifts, zero fill; 0: none)."""
+    image: tuple[int, ...] | None = None
+    """The (C, H, W) shape a flattened row is shifted in (None: the rows are images already)."""
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -102,18 +106,37 @@ def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, seed: 
     return _dataset(name, x[train], y[train], x[test], y[test], classes)
 
 
-def digits(test_fraction: float = 0.25, seed: int = 0, flatten: bool = True) -> Dataset:
+def digits(test_fraction: float = 0.25, seed: int = 0, flatten: bool = True, shift: int = 0) -> Dataset:
     """scikit-learn's bundled handwritten digits: 1,797 8x8 images, 10 classes, pixels (0..16) scaled to [0, 1].
 
-    `flatten=False` gives (1, 8, 8) images for the CNN.
+    `flatten=False` gives (1, 8, 8) images for the CNN. `shift=s` augments the training batches with random shifts
+    of up to s pixels each way (`Batches.batch`; the test set is never shifted): with s = 1 a digit moves by an
+    eighth of the image, which makes the task harder to fit and so gradients stay informative longer, where stale
+    ones can hurt.
     """
     from sklearn.datasets import load_digits  # the data ships inside the wheel: no download
 
+    if not (isinstance(shift, int) and 0 <= shift < 8):
+        raise ValueError(f"digits: {shift=} must be an integer in 0..7 (pixels of an 8x8 image)")
     bunch = load_digits()
     x = bunch.data.astype(np.float32) / 16.0
     if not flatten:
         x = x.reshape(-1, 1, 8, 8)
-    return _split("digits", x, bunch.target, test_fraction, seed, classes=10)
+    data = _split("digits", x, bunch.target, test_fraction, seed, classes=10)
+    return data._replace(shift=shift, image=(1, 8, 8) if flatten else None) if shift else data
+
+
+def random_shift(x: torch.Tensor, shift: int, image: tuple[int, ...] | None, gen: torch.Generator) -> torch.Tensor:
+    """Each row of `x` moved by (dy, dx) drawn uniformly from -shift..shift, zero filled: the random shifts of the
+    digits augmentation. Rows are (C, H, W) images, or flat rows of the shape `image`."""
+    if shift == 0 or len(x) == 0:
+        return x
+    imgs = x.reshape(len(x), *image) if image is not None else x
+    h, w = imgs.shape[-2:]
+    padded = torch.nn.functional.pad(imgs, (shift, shift, shift, shift))
+    offsets = torch.randint(0, 2 * shift + 1, (len(x), 2), generator=gen)
+    out = torch.stack([padded[i, ..., oy : oy + h, ox : ox + w] for i, (oy, ox) in enumerate(offsets.tolist())])
+    return out.reshape(x.shape)
 
 
 def synthetic(
@@ -337,4 +360,9 @@ class Batches:
         b = self.batch_size
         start = (i * self.workers + worker) * b
         rows = self._perm(e)[start : start + b]
-        return self.dataset.x_train[rows], self.dataset.y_train[rows]
+        x = self.dataset.x_train[rows]
+        if self.dataset.shift:
+            # Seeded by (seed, worker, index): the same shifts for the same batch on every runtime, and on a retry.
+            gen = torch.Generator().manual_seed(((self.seed * 7919 + worker) * 1_000_003 + index) % (2**62))
+            x = random_shift(x, self.dataset.shift, self.dataset.image, gen)
+        return x, self.dataset.y_train[rows]
