@@ -116,6 +116,24 @@ def warmup_lr(lr: float, warmup: int, step: int) -> float:
     return lr * min(1.0, (step + 1) / warmup)
 
 
+def check_milestones(name: str, milestones: list[int] | None, lr_decay: float) -> tuple[int, ...]:
+    """Check a step schedule (increasing update counts >= 1, a decay in (0, 1]) and return its milestones."""
+    steps = tuple(milestones or ())
+    if any(not isinstance(m, int) or m < 1 for m in steps) or list(steps) != sorted(set(steps)):
+        raise ValueError(f"{name}: milestones={list(steps)} must be increasing update counts >= 1")
+    if not 0.0 < lr_decay <= 1.0:
+        raise ValueError(f"{name}: {lr_decay=} must be in (0, 1]")
+    return steps
+
+
+def step_lr(lr: float, warmup: int, step: int, milestones: tuple[int, ...] = (), lr_decay: float = 1.0) -> float:
+    """Linear warm-up and a step schedule (001_... App. C.4: "Learning Rate Decay 0.1, Schedule: Epochs 80 and 120"):
+    eta_k = lr min(1, (k + 1) / warmup) lr_decay^(number of milestones <= k)."""
+    eta = warmup_lr(lr, warmup, step)
+    passed = sum(1 for m in milestones if step >= m)
+    return eta * lr_decay**passed if passed else eta
+
+
 def zeros_like(params: Flat) -> torch.Tensor:
     """A fresh zero buffer the shape of the parameters (rules own their buffers)."""
     return torch.zeros_like(params)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from collsync.rules.base import Rule, check_lr, check_unit, warmup_lr, zeros_like
+from collsync.rules.base import Rule, check_lr, check_milestones, check_unit, step_lr, zeros_like
 from collsync.types import Context, Flat
 
 
@@ -31,20 +31,29 @@ class DANAState(NamedTuple):
     eta: float
 
 
-def dana(lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, warmup: int = 0) -> Rule:
+def dana(
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    warmup: int = 0,
+    milestones: list[int] | None = None,
+    lr_decay: float = 0.1,
+) -> Rule:
     """DANA on the server (001_... Alg. 6): v_i <- gamma v_i + g; delta = -eta v_i; view = theta - eta gamma sum_j v_j.
 
     Weight decay and linear warm-up as in `collsync.rules.optim` (lambda theta added to the gradient; eta_k =
-    eta min(1, (k + 1) / warmup)). The state is a tuple of per-worker tensors, so an update replaces one entry
-    without copying the others.
+    eta min(1, (k + 1) / warmup)), and the step schedule of 001_... App. C.4 (eta x lr_decay at each of
+    `milestones`, `collsync.rules.base.step_lr`). The state is a tuple of per-worker tensors, so an update
+    replaces one entry without copying the others.
     """
     check_lr("dana", lr)
     check_unit("dana", "momentum", momentum)
     if weight_decay < 0:
         raise ValueError(f"dana: {weight_decay=} must be >= 0")
+    steps = check_milestones("dana", milestones, lr_decay)
 
     def init(params: Flat) -> DANAState:
-        return DANAState((), zeros_like(params), warmup_lr(lr, warmup, 0))
+        return DANAState((), zeros_like(params), step_lr(lr, warmup, 0, steps, lr_decay))
 
     def update(grad: Flat, state: DANAState, params: Flat, ctx: Context) -> tuple[Flat, DANAState]:
         i = ctx.worker
@@ -64,7 +73,7 @@ def dana(lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, warm
         # The sum is kept incrementally (O(d) per update instead of O(workers * d)); its rounding drift is of the
         # order of one ulp of |v| per update, far below the look-ahead's own approximation error.
         total = state.total + (new - old)
-        eta = warmup_lr(lr, warmup, ctx.step)
+        eta = step_lr(lr, warmup, ctx.step, steps, lr_decay)
         return new * -eta, DANAState(vs[:i] + (new,) + vs[i + 1 :], total, eta)
 
     def view(params: Flat, state: DANAState) -> Flat:

@@ -15,8 +15,10 @@ from collsync.rules.base import (
     EmptyState,
     Rule,
     check_lr,
+    check_milestones,
     check_positive,
     check_unit,
+    step_lr,
     warmup_lr,
     zeros_like,
 )
@@ -28,10 +30,18 @@ def _check_decay(name: str, weight_decay: float) -> None:
         raise ValueError(f"{name}: {weight_decay=} must be >= 0")
 
 
-def sgd(lr: float = 0.1, weight_decay: float = 0.0, warmup: int = 0) -> Rule:
-    """Plain SGD: delta = -eta * (g + lambda * theta)."""
+def sgd(
+    lr: float = 0.1,
+    weight_decay: float = 0.0,
+    warmup: int = 0,
+    milestones: list[int] | None = None,
+    lr_decay: float = 0.1,
+) -> Rule:
+    """Plain SGD: delta = -eta_k * (g + lambda * theta), eta_k as `collsync.rules.base.step_lr` (warm-up, and lr x
+    lr_decay at each of `milestones`, 001_... App. C.4)."""
     check_lr("sgd", lr)
     _check_decay("sgd", weight_decay)
+    steps = check_milestones("sgd", milestones, lr_decay)
 
     def init(params: Flat) -> EmptyState:
         return EmptyState()
@@ -39,7 +49,7 @@ def sgd(lr: float = 0.1, weight_decay: float = 0.0, warmup: int = 0) -> Rule:
     def update(grad: Flat, state: EmptyState, params: Flat, ctx: Context) -> tuple[Flat, EmptyState]:
         if weight_decay:
             grad = grad + weight_decay * params
-        return grad * -warmup_lr(lr, warmup, ctx.step), state
+        return grad * -step_lr(lr, warmup, ctx.step, steps, lr_decay), state
 
     return Rule(init, update)
 
@@ -51,16 +61,25 @@ class MomentumState(NamedTuple):
 
 
 def momentum(
-    lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, warmup: int = 0, nesterov: bool = False
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    warmup: int = 0,
+    nesterov: bool = False,
+    milestones: list[int] | None = None,
+    lr_decay: float = 0.1,
 ) -> Rule:
-    """Heavy-ball momentum (001_... Alg. 2): v <- gamma v + g; delta = -eta v.
+    """Heavy-ball momentum (001_... Alg. 2): v <- gamma v + g; delta = -eta_k v.
 
-    With `nesterov=True`, NAG in its usual deep-learning form: v <- gamma v + g; delta = -eta (gamma v + g).
+    With `nesterov=True`, NAG in its usual deep-learning form: v <- gamma v + g; delta = -eta_k (gamma v + g).
+    eta_k: warm-up and the step schedule of `collsync.rules.base.step_lr` (lr x lr_decay at each of `milestones`,
+    001_... App. C.4); v holds no eta, so a change of eta_k is momentum-corrected by construction.
     """
     name = "nesterov" if nesterov else "momentum"
     check_lr(name, lr)
     check_unit(name, "momentum", momentum)
     _check_decay(name, weight_decay)
+    steps = check_milestones(name, milestones, lr_decay)
 
     def init(params: Flat) -> MomentumState:
         return MomentumState(zeros_like(params))
@@ -70,7 +89,7 @@ def momentum(
             grad = grad + weight_decay * params
         v = state.v * momentum + grad
         step = grad + momentum * v if nesterov else v
-        return step * -warmup_lr(lr, warmup, ctx.step), MomentumState(v)
+        return step * -step_lr(lr, warmup, ctx.step, steps, lr_decay), MomentumState(v)
 
     return Rule(init, update)
 
@@ -78,9 +97,16 @@ def momentum(
 _heavy_ball = momentum
 
 
-def nesterov(lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, warmup: int = 0) -> Rule:
-    """Nesterov's accelerated gradient (NAG-ASGD on the server, 001_...)."""
-    return _heavy_ball(lr, momentum, weight_decay, warmup, nesterov=True)
+def nesterov(
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    warmup: int = 0,
+    milestones: list[int] | None = None,
+    lr_decay: float = 0.1,
+) -> Rule:
+    """Nesterov's accelerated gradient (NAG-ASGD on the server, 001_...; App. C.4 runs every method with it)."""
+    return _heavy_ball(lr, momentum, weight_decay, warmup, nesterov=True, milestones=milestones, lr_decay=lr_decay)
 
 
 class RMSPropState(NamedTuple):
@@ -97,17 +123,21 @@ def rmsprop(
     eps: float = 1.0,
     weight_decay: float = 0.0,
     warmup: int = 0,
+    milestones: list[int] | None = None,
+    lr_decay: float = 0.1,
 ) -> Rule:
     """RMSProp with momentum as used by 000_... App. A (decay 0.9, momentum 0.9), in TensorFlow's form:
 
-    ms <- decay ms + (1 - decay) g^2;  mom <- momentum mom + eta g / sqrt(ms + eps);  delta = -mom.
-    TensorFlow's Inception recipe uses eps = 1.0, which is the default here.
+    ms <- decay ms + (1 - decay) g^2;  mom <- momentum mom + eta_k g / sqrt(ms + eps);  delta = -mom.
+    TensorFlow's Inception recipe uses eps = 1.0, which is the default here. eta_k as `step_lr` (the buffer holds
+    eta, so a drop at a milestone reaches the step gradually, as in TensorFlow).
     """
     check_lr("rmsprop", lr)
     check_unit("rmsprop", "decay", decay)
     check_unit("rmsprop", "momentum", momentum)
     check_positive("rmsprop", "eps", eps)
     _check_decay("rmsprop", weight_decay)
+    steps = check_milestones("rmsprop", milestones, lr_decay)
 
     def init(params: Flat) -> RMSPropState:
         return RMSPropState(zeros_like(params), zeros_like(params))
@@ -116,7 +146,7 @@ def rmsprop(
         if weight_decay:
             grad = grad + weight_decay * params
         ms = state.ms * decay + (1 - decay) * grad * grad
-        mom = state.mom * momentum + warmup_lr(lr, warmup, ctx.step) * grad / torch.sqrt(ms + eps)
+        mom = state.mom * momentum + step_lr(lr, warmup, ctx.step, steps, lr_decay) * grad / torch.sqrt(ms + eps)
         return -mom, RMSPropState(ms, mom)
 
     return Rule(init, update)

@@ -46,14 +46,19 @@ class StalenessAwareState(NamedTuple):
     """The gradient variant keeps no state: tau comes with each arrival (`ctx.staleness`)."""
 
 
-def staleness_aware(tau: TauMode = "staleness") -> Rule:
-    """SA, gradient variant (001_... Alg. 5): g' = g / tau, chained before any optimizer; tau = max(staleness, 1)
-    (`tau="staleness"`) or staleness + 1 (`tau="boxes"`, the algorithm boxes).
+def staleness_aware(tau: TauMode = "staleness", weight_decay: float = 0.0) -> Rule:
+    """SA, gradient variant (001_... Alg. 5): g' = (g + lambda theta) / tau, chained before any optimizer;
+    tau = max(staleness, 1) (`tau="staleness"`) or staleness + 1 (`tau="boxes"`, the algorithm boxes).
+
+    `weight_decay` (lambda) here puts the decay inside the penalised gradient, as 001_... App. C.5 does for GA
+    (`gap_aware(weight_decay=...)`); on the optimizer instead it is added after the penalty, undivided.
 
     With `optimizer=dana` this is DANA-SA (001_... Alg. 7: v_i <- gamma v_i + g / tau). Under `sgd` it equals
     SASGD (002_... eq. 1).
     """
     check_tau("staleness_aware", tau)
+    if weight_decay < 0:
+        raise ValueError(f"staleness_aware: {weight_decay=} must be >= 0")
     mode = tau
 
     def init(params: Flat) -> StalenessAwareState:
@@ -61,6 +66,8 @@ def staleness_aware(tau: TauMode = "staleness") -> Rule:
 
     def update(grad: Flat, state: StalenessAwareState, params: Flat, ctx: Context) -> tuple[Flat, StalenessAwareState]:
         tau = staleness_tau(ctx, mode)
+        if weight_decay:
+            grad = grad + weight_decay * params
         # tau == 1 returns the gradient itself so that a fresh gradient gives the base optimizer bit for bit.
         return (grad if tau == 1 else grad / tau), state
 

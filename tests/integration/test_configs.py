@@ -29,7 +29,7 @@ def test_option_composes_and_instantiates(group, option):
         with pytest.raises(Exception, match="path"):
             instantiate(cfg[group])
         return
-    if group == "method":  # a global package: it chooses the penalty and the optimizer together
+    if group in ("method", "experiment"):  # global packages: they choose the penalty and the optimizer together
         penalty, optimizer = combine(instantiate(cfg.penalty), instantiate(cfg.optimizer))
         assert isinstance(penalty, Rule) and isinstance(optimizer, Rule)
         return
