@@ -9,6 +9,7 @@ loading a checkpoint never runs code from the file. Its keys:
     config    the run's resolved config (a resume with a config that differs in a key that matters is refused)
     version   the server version (updates applied) when it was written
     server    `Server.state_dict()`: parameters, EMA, rule states, buffered gradients, what each worker sent
+    shards    (`runtime.servers` M >= 2) shards 1..M-1's `{server, events}` at that version; `server` is shard 0
     driver    the runtime's own state (the simulator's clock, event queue and workers; empty for MPI runtimes)
     events    the trace up to this point, so the resumed run's trace continues it
     evaluator the divergence guard's reference loss
@@ -218,17 +219,26 @@ class Keeper:
 
         `state()` gives the payload (`server`, `driver`, `events`, `evaluator`); it is called only when writing.
         """
-        signum = requested()
-        if signum is None and not (self.enabled and self.schedule.due(version)):
+        if not self.due(version):
             return
         if self.enabled:
             self.write(version, state())
-        if signum is not None:
-            name = signal.Signals(signum).name
-            kept = f"checkpoint {self.path} (go on with resume={self.path.parent})"
-            if not self.enabled:
-                kept = f"no checkpoint ({self.disabled})"
-            raise Preempted(signum, f"stopped by {name} at server step {version}: {kept}")
+        self.stop_if_asked(version)
+
+    def due(self, version: int) -> bool:
+        """Is a checkpoint due at `version`: by the schedule, or because a signal asked the run to stop?"""
+        return requested() is not None or (self.enabled and self.schedule.due(version))
+
+    def stop_if_asked(self, version: int) -> None:
+        """After a signal (and the checkpoint it asked for): raise `Preempted`, saying where the run can go on."""
+        signum = requested()
+        if signum is None:
+            return
+        name = signal.Signals(signum).name
+        kept = f"checkpoint {self.path} (go on with resume={self.path.parent})"
+        if not self.enabled:
+            kept = f"no checkpoint ({self.disabled})"
+        raise Preempted(signum, f"stopped by {name} at server step {version}: {kept}")
 
     def write(self, version: int, payload: dict[str, Any]) -> None:
         save({"config": self.config, "version": version, **payload}, self.path)

@@ -382,6 +382,7 @@ def _run_partial(run: _Launch) -> dict[str, Any] | None:
 def _run_shards(run: _Launch) -> dict[str, Any] | None:
     """Parameter-server shards on MPI windows: ranks 0..M-1 each serve one block, the other ranks are workers."""
     from collsync.checks import check_trace
+    from collsync.runtime.mpi_checkpoint import ShardStates
     from collsync.runtime.mpi_shards import Shards
 
     cfg, parts, flat, comm, workers, grads = run.cfg, run.parts, run.flat, run.comm, run.workers, run.grads
@@ -392,11 +393,11 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     train_comm = comm.Split(int(scheduling), comm.Get_rank()) if dedicated else comm
     shards = None if scheduling else Shards(train_comm, flat.numel, servers)
     trace = Trace()
-    # Rank 0 keeps the checkpoints (with one shard: several are not checkpointed yet) and tells each worker where it
-    # resumes: after the last gradient the server got from it, so none is lost or applied twice.
-    several = f"runtime.servers={servers} does not write checkpoints yet (one server does)" if servers > 1 else None
-    keeper, saved = _rank0_keeper(run, disabled=several)
-    sent = comm.bcast(None if saved is None else (saved["server"]["received"], saved["server"]["clocks"]), root=0)
+    # Rank 0 keeps the checkpoints (with several shards, every shard's state at one version: runtime/mpi_checkpoint.py)
+    # and tells each worker where it resumes: after the last gradient each shard got from it, so none is lost or
+    # applied twice.
+    keeper, saved = _rank0_keeper(run)
+    have = comm.bcast(None if saved is None else _resume_counts(saved), root=0)
     # SpecSync: its messages on a communicator of their own; the scheduler runs in rank 0's server loop.
     speculation = parts.policy.speculation
     spec_comm = comm.Dup() if speculation is not None else None
@@ -405,6 +406,9 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
     if scheduling:
         return _run_scheduler_rank(run, spec_comm, train_comm)
     assert shards is not None
+    states = ShardStates(train_comm, servers) if servers > 1 else None
+    # Shards 1..M-1 resume from their parts of rank 0's checkpoint (sent: no shared file system needed).
+    resumed = None if states is None else train_comm.scatter(_shard_parts(saved, train_comm.Get_size()), root=0)
     # No `finally: close()`: freeing is collective, and after a failure the other ranks are not there to join it;
     # the error reaches cli._fail, which aborts the world instead.
     if shards.serving:
@@ -436,13 +440,20 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
                 _restore(saved, keeper, server, trace, evaluate, shift_clock=True)
             else:
                 evaluate(server)
+        elif resumed is not None:
+            server.load_state_dict(resumed["server"])
+            trace.resume(resumed["events"], shift_clock=True)
         model = parts.stragglers
         slow = run.sampler is not None and model.slow_server > 0 and shards.rank == model.slow_shard
         # A worker stopped, hung or died, or training diverged: keep what was trained before the error ends the run.
         save = (lambda why: _save_incomplete(run, server, trace, shards, evaluate, why)) if shards.rank == 0 else None
-        between = None
-        if keeper is not None:
+        between: Callable[[Server], None] | None = None
+        if keeper is not None and states is not None:
+            between = _ShardCheckpoints(keeper, states, trace, evaluate)
+        elif keeper is not None:
             between = lambda s: keeper.step(s.version, lambda: _state(s, trace, evaluate, {}))  # noqa: E731
+        elif states is not None:
+            between = lambda s: states.answer(s.version, lambda: _shard_state(s, trace))  # noqa: E731
         delay = model.slow_server * spec.time_scale * slow
         if speculation is not None and shards.rank == 0:
             from collsync.runtime.mpi_specsync import SchedulerService
@@ -452,6 +463,10 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         poll = service.poll if service is not None else None
         with _keep_on_failure(save, _grace(parts.policy.deadline)):
             run_server(server, shards.own, on_update=evaluate, publish_delay=delay, between=between, poll=poll)
+            if states is not None and shards.rank > 0:
+                states.send_last(_shard_state(server, trace))
+            elif states is not None:
+                states.finish(_grace(parts.policy.deadline))  # the others' final states: their sends complete
         if service is not None:
             service.close(parts.policy.deadline)
         if shards.rank == 0 and bar is not None:
@@ -467,8 +482,11 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
         silence = None if deadline is None else 2 * deadline + _grace(deadline)
         mailbox = shards.worker_mailbox(parts.policy.pull_fraction, parts.policy.pull_timeout, silence)
         worker = Worker(mailbox.worker, parts.policy, seed=int(cfg.seed))
-        if sent is not None:
-            worker.steps, worker.clock = sent[0][mailbox.worker], sent[1][mailbox.worker]
+        if have is not None:
+            # Go on from the shard that has the fewest of this worker's gradients, in the round it was at there.
+            received = [counts[mailbox.worker] for counts, _ in have]
+            worker.steps = mailbox.resume(received)
+            worker.clock = have[received.index(worker.steps)][1][mailbox.worker]
         wait = 0.0
         if speculation is not None:
             from collsync.runtime.mpi_specsync import Speculator, install_safe_points
@@ -494,6 +512,8 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
             specsync = _specsync_summary(service, moved, remote)
         spec_comm.Free()
     shards.close()
+    if states is not None:
+        states.free()
     if dedicated:
         train_comm.Free()
     if shards.rank != 0:
@@ -626,6 +646,68 @@ def _restore(
         trace.record("resume", version=server.version, checkpoint=str(keeper.source))
     if evaluate is not None:
         evaluate.first_loss = saved["evaluator"]["first_loss"]
+
+
+def _resume_counts(saved: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+    """Per shard (0..M-1) of a checkpoint: how many gradients it had from each worker, and each one's last round."""
+    servers = [saved["server"], *(part["server"] for part in saved.get("shards", []))]
+    return [(list(s["received"]), list(s["clocks"])) for s in servers]
+
+
+def _shard_parts(saved: dict[str, Any] | None, size: int) -> list[dict[str, Any] | None] | None:
+    """Rank 0's scatter of a checkpoint over the shards' world: shard j's part to rank j, nothing to the others."""
+    if saved is None:
+        return [None] * size
+    parts = list(saved.get("shards", []))
+    return [None, *parts, *[None] * (size - 1 - len(parts))]
+
+
+def _shard_state(server: Server, trace: Trace) -> dict[str, Any]:
+    """What shard j >= 1 contributes to rank 0's checkpoint: its server and its trace (for the end-of-run counts)."""
+    return {"server": server.state_dict(), "events": list(trace.events)}
+
+
+def _frozen(x: Any) -> Any:
+    """A deep copy of a checkpoint payload's tensors and containers (it is written after training went on)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _frozen(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_frozen(v) for v in x]
+    return x
+
+
+class _ShardCheckpoints:
+    """Rank 0's `between` hook with several shards (runtime/mpi_checkpoint.py): when a checkpoint is due (or a
+    signal asked for one) ask the other shards for their state at the next version, take its own there, and write
+    the file once every state is in; after a signal, stop the run (`Preempted`) once it is written."""
+
+    def __init__(self, keeper: Keeper, states: Any, trace: Trace, evaluate: Evaluator | None) -> None:
+        self.keeper, self.states, self.trace, self.evaluate = keeper, states, trace, evaluate
+        self.version: int | None = None  # the version being gathered
+        self.own: dict[str, Any] | None = None
+        self.others: list[dict[str, Any]] | None = None
+
+    def __call__(self, server: Server) -> None:
+        if self.version is None:
+            if self.keeper.due(server.version):
+                self.version = server.version + 1
+                self.states.ask(self.version)
+            else:
+                self.states.collect()  # a shard that finished sends its final state once
+            return
+        if self.own is None and server.version >= self.version:
+            self.own = _frozen(_state(server, self.trace, self.evaluate, {}))
+        others = self.states.collect()
+        if others is not None:
+            self.others = others
+        if self.own is None or self.others is None:
+            return
+        version = self.own["server"]["version"]
+        self.keeper.write(version, {**self.own, "shards": self.others})
+        self.version, self.own, self.others = None, None, None
+        self.keeper.stop_if_asked(version)
 
 
 @contextlib.contextmanager

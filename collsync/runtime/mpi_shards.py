@@ -76,6 +76,8 @@ class ShardedMailbox:
         self.versions = [0] * len(shards)
         self.done = [False] * len(shards)
         self.partial_reads = 0  # reads that went on without every block (PSP's partial pull at work)
+        self.sent = 0  # gradients this worker has sent (its k-th goes to shard j only if k >= have[j])
+        self.have = [0] * len(shards)  # after a resume: how many of this worker's gradients each shard already has
         self._had = [False] * len(shards)  # blocks this worker has received at least once
         self._backoff = Backoff()
 
@@ -130,10 +132,20 @@ class ShardedMailbox:
             return True
         return since is not None and time.monotonic() - since >= self.pull_timeout
 
+    def resume(self, have: list[int]) -> int:
+        """After a resume from a checkpoint: shard j already has this worker's first `have[j]` gradients (its
+        `Server.received`). The worker goes on from the fewest; a block some shard has already is not sent again.
+        Returns the number of gradients to count as sent."""
+        if len(have) != len(self.shards):
+            raise ValueError(f"runtime: {len(have)} resume counts for {len(self.shards)} shards")
+        self.have, self.sent = list(have), min(have)
+        return self.sent
+
     def send(self, arrival: Arrival) -> None:
+        k, self.sent = self.sent, self.sent + 1
         for j, shard in enumerate(self.shards):
-            if self.done[j]:
-                continue
+            if self.done[j] or k < self.have[j]:
+                continue  # training is over on that shard, or it had this gradient before the run was resumed
             start, stop = self.bounds[j]
             block = None if arrival.grad is None else arrival.grad[start:stop]
             shard.send(Arrival(arrival.worker, self.versions[j], block, arrival.clock))

@@ -1,0 +1,42 @@
+"""A resumed worker's sends with several shards (`ShardedMailbox.resume`): block j of its k-th gradient goes to
+shard j only if that shard had fewer than k + 1 of its gradients at the checkpoint; no MPI needed (fake shards)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from collsync.runtime.mpi_shards import ShardedMailbox, shard_bounds
+from collsync.types import Arrival
+
+
+class _Shard:
+    """What ShardedMailbox.send needs of a shard mailbox: the worker's index and a `send` (recorded here)."""
+
+    worker = 0
+
+    def __init__(self) -> None:
+        self.got: list[torch.Tensor] = []
+
+    def send(self, arrival: Arrival) -> None:
+        assert arrival.grad is not None
+        self.got.append(arrival.grad.clone())
+
+
+def test_a_resumed_worker_sends_each_shard_only_the_gradients_it_lacks() -> None:
+    shards = [_Shard(), _Shard(), _Shard()]
+    mailbox = ShardedMailbox(shards, shard_bounds(6, 3))  # type: ignore[arg-type]
+    # At the checkpoint shard 0 had 4 of this worker's gradients, shard 1 had 5, shard 2 had 6.
+    assert mailbox.resume([4, 5, 6]) == 4
+    for k in (4, 5, 6):
+        mailbox.send(Arrival(0, 0, torch.full((6,), float(k)), k))
+    assert [g[0].item() for g in shards[0].got] == [4, 5, 6]
+    assert [g[0].item() for g in shards[1].got] == [5, 6]
+    assert [g[0].item() for g in shards[2].got] == [6]
+    assert all(g.numel() == 2 for s in shards for g in s.got)
+
+
+def test_resume_counts_must_match_the_shards() -> None:
+    mailbox = ShardedMailbox([_Shard(), _Shard()], shard_bounds(4, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="2 shards"):
+        mailbox.resume([1])
