@@ -190,7 +190,7 @@ class _Overlap:
                 current, held = [], 0
         if current:
             self.buckets.append(current)
-        starts = [offset - flat.sizes[0] for offset in itertools.accumulate(flat.sizes)]
+        starts = [0, *itertools.accumulate(flat.sizes)][:-1]
         slices = [(starts[b[-1]], starts[b[0]] + flat.sizes[b[0]]) for b in self.buckets]
         slices[0] = (slices[0][0], buf.numel())  # the join flag, after the last parameter
         self.slices = [buf[a:z] for a, z in slices]
