@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)")
 
 
@@ -38,67 +39,104 @@ def applies(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "run" / "trace.jsonl").open() if '"apply"' in line]
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        # backup and ssp at 5 ranks: test_five_ranks_reach_the_simulators_accuracy.
-        ["sync=async", "optimizer=sgd", "steps=300"],
-        ["runtime=allreduce", "sync=bsp"],
-        ["runtime=allreduce", "sync=bsp", "runtime.bucket_mib=0"],
-        ["runtime=partial", "sync=backup", "sync.backups=1"],
-    ],
-    ids=["async-sgd", "allreduce", "allreduce-unbucketed", "partial"],
-)
-def test_four_ranks_train_digits(tmp_path, overrides):
-    proc = launch(tmp_path, 4, "steps=150", "eval_every=50", *overrides)
-    steps = int(next((o.split("=")[1] for o in overrides if o.startswith("steps=")), 150))
+def launch_runs(tmp_path: Path, ranks: int, runs: dict[str, list[str]]) -> subprocess.CompletedProcess[str]:
+    """`runs` (a case's name: its overrides) one after another in one launch of `ranks` ranks
+    (tests/scripts/train_runs.py: each rank imports torch and the runtimes once, not once per run); a case's run
+    folder is tmp_path / name / "run", as `launch` writes it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps({str(tmp_path / name / "run"): overrides for name, overrides in runs.items()}))
+    args = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(SCRIPTS / "train_runs.py"), str(spec)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def case_summary(launched: tuple[Path, subprocess.CompletedProcess[str]], case: str) -> dict:
+    """The summary of `case` from a launch of several runs: one failing run aborts the launch (and fails the tests
+    of the runs after it, each showing the launch's stderr)."""
+    tmp_path, proc = launched
+    assert (tmp_path / case / "run" / "summary.json").is_file(), (proc.returncode, proc.stderr[-2000:])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = summary(tmp_path)
+    return summary(tmp_path / case)
+
+
+# backup and ssp at 4 ranks: test_five_ranks_reach_the_simulators_accuracy runs both at 5.
+FOUR = {
+    "async-sgd": ["sync=async", "optimizer=sgd", "steps=300"],
+    "allreduce": ["runtime=allreduce", "sync=bsp"],
+    "allreduce-unbucketed": ["runtime=allreduce", "sync=bsp", "runtime.bucket_mib=0"],
+    "partial": ["runtime=partial", "sync=backup", "sync.backups=1"],
+}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    tmp_path = tmp_path_factory.mktemp("four")
+    return tmp_path, launch_runs(tmp_path, 4, {c: ["steps=150", "eval_every=50", *o] for c, o in FOUR.items()})
+
+
+@pytest.mark.parametrize("case", list(FOUR))
+def test_four_ranks_train_digits(four_ranks, case):
+    steps = int(next((o.split("=")[1] for o in FOUR[case] if o.startswith("steps=")), 150))
+    result = case_summary(four_ranks, case)
     checks = result["trace_checks"]
     assert checks["updates"] == steps
     assert checks["pushed"] == checks["applied"] + checks["dropped"]
     assert result["best_acc"] >= 0.85
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["sync=backup", "sync.backups=1"],
-        ["sync=async", "penalty=gap_aware"],
-        ["sync=ssp"],
-        ["sync=psp", "runtime.servers=2"],
-    ],
-    ids=["backup", "async-gap-aware", "ssp", "psp-2-shards"],
-)
-def test_five_ranks_reach_the_simulators_accuracy(tmp_path, overrides):
-    """The README's launch lines, at their defaults (300 updates): one (or two) server rank(s) and the workers over
-    MPI against the simulator with as many workers."""
+# The README's launch lines at their defaults (300 updates): one (or two) server rank(s) and the workers over MPI.
+FIVE = {
+    "backup": ["sync=backup", "sync.backups=1"],
+    "async-gap-aware": ["sync=async", "penalty=gap_aware"],
+    "ssp": ["sync=ssp"],
+    "psp-2-shards": ["sync=psp", "runtime.servers=2"],
+}
+# PSP's partial pull: shard 1's server is slow (1 s per update, scaled by time_scale); 100 updates.
+PARTIAL_PULL = [
+    "steps=100",
+    "sync=psp",
+    "runtime.servers=2",
+    "sync.pull_fraction=0.5",
+    "runtime.inject_stragglers=true",
+]
+PARTIAL_PULL += ["stragglers=slow_server", "stragglers.shard=1", "stragglers.seconds=1", "runtime.time_scale=0.005"]
+
+
+@pytest.fixture(scope="module")
+def five_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    tmp_path = tmp_path_factory.mktemp("five")
+    return tmp_path, launch_runs(tmp_path, 5, {**FIVE, "psp-partial-pull": PARTIAL_PULL})
+
+
+def simulated(tmp_path: Path, overrides: list[str], workers: int) -> dict:
+    """The same config in the simulator with `workers` workers, run in this process (as `collsync-train` runs it:
+    `collsync.cli.execute`)."""
+    from hydra import compose, initialize_config_dir
+
+    from collsync.cli import CONF_DIR, execute
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "progress=false", "runtime=sim", f"runtime.workers={workers}"])
+    result = execute(cfg, tmp_path)
+    assert result is not None and result.get("incomplete") is None, result
+    return result
+
+
+@pytest.mark.parametrize("case", list(FIVE))
+def test_five_ranks_reach_the_simulators_accuracy(five_ranks, tmp_path, case):
+    """Each run of the 5-rank launch against the simulator with as many workers."""
+    overrides = FIVE[case]
     servers = 2 if "runtime.servers=2" in overrides else 1
-    proc = launch(tmp_path / "mpi", 5, *overrides)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    sim = subprocess.run(
-        [sys.executable, "-m", "collsync.cli", f"hydra.run.dir={tmp_path / 'sim' / 'run'}", "progress=false"]
-        + [o for o in overrides if not o.startswith("runtime.")]
-        + ["runtime=sim", f"runtime.workers={5 - servers}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert sim.returncode == 0, sim.stderr[-2000:]
-    real, simulated = summary(tmp_path / "mpi"), summary(tmp_path / "sim")
+    real = case_summary(five_ranks, case)
+    sim = simulated(tmp_path, [o for o in overrides if not o.startswith("runtime.")], 5 - servers)
     assert real["trace_checks"]["updates"] == 300
-    assert real["best_acc"] >= simulated["best_acc"] - 0.05, (real["best_acc"], simulated["best_acc"])
+    assert real["best_acc"] >= sim["best_acc"] - 0.05, (real["best_acc"], sim["best_acc"])
     if servers == 2:
         assert [shard["updates"] for shard in real["shards"]] == [300, 300]
 
 
-def test_psp_partial_pull_goes_on_without_a_slow_shard(tmp_path):
-    slow = ["stragglers=slow_server", "stragglers.shard=1", "stragglers.seconds=1", "runtime.time_scale=0.005"]
-    overrides = ["sync=psp", "runtime.servers=2", "sync.pull_fraction=0.5", "runtime.inject_stragglers=true"]
-    proc = launch(tmp_path, 5, "steps=100", *overrides, *slow)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = summary(tmp_path)
+def test_psp_partial_pull_goes_on_without_a_slow_shard(five_ranks):
+    result = case_summary(five_ranks, "psp-partial-pull")
     assert [shard["updates"] for shard in result["shards"]] == [100, 100]
     assert result["partial_pulls"] > 0  # workers went on with shard 0's block while shard 1 was busy
     assert result["best_acc"] >= 0.85  # and with shard 1's newest published block, not the one they started with
@@ -114,15 +152,23 @@ def test_too_many_backups_for_the_world_fails_with_the_rank_named(tmp_path):
 FROZEN = ["runtime.inject_stragglers=true", "stragglers=frozen_worker", "stragglers.worker=1", "stragglers.at=5"]
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [["sync=backup", "sync.backups=1"], ["sync=ssp", "sync.timeout=0.05"], ["sync=psp", "sync.pushes=2"]],
-    ids=["backup", "ssp-timeout", "psp"],
-)
-def test_a_frozen_worker_does_not_stop_training(tmp_path, overrides):
-    proc = launch(tmp_path, 4, "steps=120", *overrides, *FROZEN)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    done = applies(tmp_path)
+FROZEN_AT = {
+    "backup": ["sync=backup", "sync.backups=1"],
+    "ssp-timeout": ["sync=ssp", "sync.timeout=0.05"],
+    "psp": ["sync=psp", "sync.pushes=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    tmp_path = tmp_path_factory.mktemp("frozen")
+    return tmp_path, launch_runs(tmp_path, 4, {c: ["steps=120", *o, *FROZEN] for c, o in FROZEN_AT.items()})
+
+
+@pytest.mark.parametrize("case", list(FROZEN_AT))
+def test_a_frozen_worker_does_not_stop_training(frozen, case):
+    case_summary(frozen, case)
+    done = applies(frozen[0] / case)
     assert len(done) == 120
     assert all(1 not in e["workers"] for e in done[20:])  # worker 1 froze early and was never waited for
 
@@ -166,12 +212,18 @@ def _stop_rank_once_training(proc: subprocess.Popen[str], err: list[str], tmp_pa
     return pids
 
 
+def _bar_count(err: list[str]) -> int:
+    """The latest update count rank 0's progress bar shows (0 before the first)."""
+    counts = re.findall(r" (\d+)/\d+ ", "".join(err[-400:]))
+    return int(counts[-1]) if counts else 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process through /proc")
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["sync=async", "optimizer=sgd", "steps=1500"],
-        ["sync=backup", "sync.backups=1", "steps=1500"],
+        ["sync=async", "optimizer=sgd", "steps=600"],
+        ["sync=backup", "sync.backups=1", "steps=600"],
         ["sync=ssp", "sync.timeout=0.01", "optimizer=sgd", "steps=600"],
     ],
     ids=["async", "backup", "ssp-timeout"],
@@ -182,7 +234,11 @@ def test_a_stopped_rank_does_not_stop_training(tmp_path, overrides):
     proc, err, reader = _watched(args, tmp_path)
     try:
         pids = _stop_rank_once_training(proc, err, tmp_path, r" ([1-9]\d{2,})/\d+ ")
-        time.sleep(5.0)
+        # Stopped until the bar shows 150 more updates (a count, not a time: a loaded machine fits fewer updates in a
+        # second), or for 60 s where the others wait for the stopped worker: then the assertion below fails.
+        stopped_at, end = _bar_count(err), time.monotonic() + 60
+        while _bar_count(err) < stopped_at + 150 and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.02)
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
         proc.wait(timeout=240)
