@@ -240,7 +240,7 @@ class _Overlap:
             p.grad = view.view_as(p)
 
     def _start(self, bucket: int) -> None:
-        if bucket == 0:
+        if bucket == 0 and self.flat.flag:
             self.flat.buf[-1] = self.pre  # the join flag: this worker steps
         view = self.slices[bucket]
         self.thread.post(self.arrays[bucket], None if self.post == 1.0 else lambda: view.mul_(self.post))
@@ -385,7 +385,7 @@ class PartialMode:
 
     name = "backup"
 
-    def __init__(self, st: World, params: list[torch.Tensor], config: SyncConfig) -> None:
+    def __init__(self, st: World, params: list[torch.Tensor], config: SyncConfig, passes: int = 1) -> None:
         from collsync.loops import check_policy
         from collsync.runtime.mpi_partial import PartialAllreduce
 
@@ -396,13 +396,26 @@ class PartialMode:
         policy.check(workers)
         self.quorum = policy.quorum_for(workers)
         self.flat = _one_dtype(params, policy.name)
+        self.round = 0
+        self.dropped = 0
+        self.overlap: _Overlap | None = None
+        self.handles: list[Any] = []
+        self.pa: Any = None
+        if self.quorum == workers > 1 and threads_supported():
+            # b = 0: nobody is ever dropped, so this is bsp; it takes bsp's path (buckets reduced while backward
+            # runs) rather than n window round trips a step.
+            self.overlap = _Overlap(st.comm, self.flat, 1.0, 1.0 / workers, passes, policy.deadline)
+            self.handles = [p.register_post_accumulate_grad_hook(self.overlap.hook(i)) for i, p in enumerate(params)]
+            return
         self.pa = PartialAllreduce(
             st.comm, self.flat.buf.numel(), dtype=self.flat.buf.dtype, depth=config.depth, timeout=policy.deadline
         )
-        self.round = 0
-        self.dropped = 0
 
     def synchronize(self) -> None:
+        if self.overlap is not None:
+            self.overlap.finish()
+            self.round += 1
+            return
         result = self.pa.try_read(self.quorum, self.round)
         if result is None:
             result = self.pa(self.flat.grads(), self.quorum, self.round)
@@ -425,7 +438,12 @@ class PartialMode:
         from collsync.runtime.mpi_coll import shutdown
 
         shutdown(self.st.comm)
-        self.pa.free()
+        for handle in self.handles:
+            handle.remove()
+        if self.overlap is not None:
+            self.overlap.close()
+        else:
+            self.pa.free()
 
 
 class ServerMode:
@@ -741,7 +759,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
                 "DistributedOptimizer(sync='backup'): the partial allreduce averages plain gradients; "
                 "compression, op and gradient_predivide_factor are for sync='bsp'"
             )
-        mode = PartialMode(st, params, config)
+        mode = PartialMode(st, params, config, passes=backward_passes_per_step)
     else:
         raise ValueError(f"DistributedOptimizer: sync={name!r} has no serverless form; reserve servers at init()")
     cls = type(optimizer)
