@@ -180,12 +180,15 @@ def test_safe_points_abort_a_gradient_between_layers():
         h.remove()
 
 
-def test_collsync_torch_refuses_specsync_rather_than_run_it_as_plain_asp():
+def test_collsync_torch_takes_specsync_but_refuses_a_scheduler_rank_of_its_own():
+    """Through collsync.torch the scheduler runs in server rank 0's loop; a rank of its own would be a third role in
+    a world whose roles are fixed at init(), so it is refused in one line (config object and Hydra config alike)."""
     from collsync.torch.config import from_config, sync_config
 
-    with pytest.raises(ValueError, match="SpecSync runs in collsync-train only"):
-        sync_config(specsync())
+    assert sync_config(specsync()).policy.speculation is not None
+    with pytest.raises(ValueError, match="runs in collsync-train only"):
+        sync_config(specsync(scheduler="rank"))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=["sync=specsync", "runtime=mpi"])
-    with pytest.raises(ValueError, match="SpecSync runs in collsync-train only"):
+        cfg = compose(config_name="config", overrides=["sync=specsync", "sync.scheduler=rank", "runtime=mpi"])
+    with pytest.raises(ValueError, match="runs in collsync-train only"):
         from_config(cfg)
