@@ -50,16 +50,6 @@ complete is final (the ticket is spent): stop the run.
 `quorum` must be the same on every rank for a round (like the count of a collective); the combining rank records it
 and every reader checks it.
 
-Full quorum (`quorum` = n, serverless BSP and backup workers with b = 0): nobody can be dropped and nobody can read
-the round before contributing, so the windows would only add one-sided traffic (n Puts and Gets of the whole vector
-through the host). Such a round is an `MPI_Allreduce` instead, on a `mpi_coll.CommThread` (its own duplicate of
-`comm`) and waited for with the same `timeout`; before it, each rank sets its `posted` word to the round (one atomic),
-so a timeout still names the ranks that never arrived. It leaves the ring and its tickets alone: each rank counts the
-full rounds per ring entry (`_skipped`, the same on every rank, since the quorum of a round is), which the ticket
-arithmetic subtracts, and a full round completed means every rank has read every round before it (`_floor`). Full
-and partial rounds may alternate. The sum's order is MPI's, not rank order: equal to the windows' mean wherever the
-sum is exact, and the same bits on every rank either way.
-
 Memory on the host: (n + depth) * numel floats. Calls are made in round order 0, 1, 2, ... on every rank.
 """
 
@@ -170,13 +160,6 @@ class PartialAllreduce(Windows):
         self._wins = self._allocate(rank == host)
         self.win_slots, self.win_ring, self.win_ctrl = self._wins
         self._floor = 0  # a lower bound on every rank's read counter (saves polling the gate)
-        self._skipped = [0] * depth  # full-quorum rounds per ring entry (they take no tickets)
-        self._sums: Any = None
-        if size > 1:
-            from collsync.runtime.mpi_coll import CommThread, threads_supported
-
-            # Full-quorum rounds: one allreduce on a thread, waited for with the timeout (see the module docstring).
-            self._sums = CommThread(comm, name="collsync-partial") if threads_supported() else None
         self._one = np.ones(1, dtype=np.int64)
         self._val = np.zeros(1, dtype=np.int64)
         self._res = np.zeros(1, dtype=np.int64)
@@ -201,13 +184,6 @@ class PartialAllreduce(Windows):
         for win in (slots, ring, ctrl):
             win.Lock_all()
         return slots, ring, ctrl
-
-    def free(self) -> None:
-        """Collective: the windows, and the full rounds' thread and communicator."""
-        super().free()
-        if self._sums is not None:
-            self._sums.close()
-            self._sums = None
 
     # -- control words (atomics, each completed by a Flush) --------------------------------------------------------
     def _fetch(self, disp: int, value: int, op: Any) -> int:
@@ -267,7 +243,7 @@ class PartialAllreduce(Windows):
 
         def probe() -> bool | None:
             read[:] = self._load_many(self._read, self.size)
-            self._floor = max(self._floor, int(read.min()))
+            self._floor = int(read.min())
             return True if self._floor >= need else None
 
         def describe() -> str:
@@ -283,8 +259,6 @@ class PartialAllreduce(Windows):
     def __call__(self, tensor: Flat, quorum: int, round: int) -> PartialResult:
         """Contribute `tensor` to round `round`; return the round's mean (first `quorum` contributions, rank order)."""
         check_call(self.numel, self.size, self.round, round, quorum, tensor)
-        if quorum == self.size and self._sums is not None:
-            return self._full(tensor, round)
         data = tensor.detach().to(self.dtype).contiguous()
         self._gate(round)
         index = self._ticket(round)
@@ -297,8 +271,6 @@ class PartialAllreduce(Windows):
     def try_read(self, quorum: int, round: int) -> PartialResult | None:
         """Round `round`'s result if it is already complete (this rank is then among the dropped), else None."""
         check_call(self.numel, self.size, self.round, round, quorum, None)
-        if quorum == self.size and self._sums is not None:
-            return None  # a full round cannot be complete without this rank
         if tag_state(self._load(self._entry_at(round) + 1), round) != READY:
             return None
         # A complete round passed its gate, so the ticket arithmetic holds without waiting here.
@@ -315,32 +287,10 @@ class PartialAllreduce(Windows):
         tags = [self._load(s * self._entry + 1) for s in range(self.depth)]
         return max([t for t in tags if t >= 0], default=-1)
 
-    def _full(self, tensor: Flat, round_: int) -> PartialResult:
-        """A round with quorum = n: the mean from one allreduce (see the module docstring)."""
-        mean = tensor.detach().to(self.dtype).clone(memory_format=torch.contiguous_format)
-        self._store(self._posted + self.rank, round_)  # so that a timeout names who never came
-        self._sums.post(mean.numpy())
-        try:
-            self._sums.wait(self.timeout, "allreduce")
-        except TimeoutError:
-            raise TimeoutError(
-                f"{self._who}: partial allreduce: round {round_} (full quorum) incomplete after "
-                f"timeout={self.timeout}s" + self._late(round_)
-            ) from None
-        mean.div_(self.size)
-        self._skipped[round_ % self.depth] += 1
-        self._floor = max(self._floor, round_ + 1)  # every rank came to this round: it read every round before
-        self.round = round_ + 1
-        return PartialResult(mean, round_, self.size, list(range(self.size)), [])
-
-    def _arrival(self, ticket: int, round_: int) -> int:
-        """`arrival_index`, less the full rounds of this entry, which took no tickets."""
-        return arrival_index(ticket, round_, self.depth, self.size) + self._skipped[round_ % self.depth] * self.size
-
     def _ticket(self, round_: int) -> int:
-        """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per partial round)."""
+        """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per round)."""
         ticket = self._fetch(self._entry_at(round_), 1, self.MPI.SUM)
-        return self._arrival(ticket, round_)
+        return arrival_index(ticket, round_, self.depth, self.size)
 
     def _post(self, data: Flat, round_: int) -> None:
         """Step 3: data into this rank's slot, Flush, and only then the flag that says which round it belongs to."""
@@ -401,7 +351,7 @@ class PartialAllreduce(Windows):
             return True if state == READY else None
 
         def describe() -> str:
-            arrived = self._arrival(self._load(entry), round_)
+            arrived = arrival_index(self._load(entry), round_, self.depth, self.size)
             return f"round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks arrived, {quorum=}" + self._late(
                 round_
             )
