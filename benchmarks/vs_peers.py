@@ -6,11 +6,13 @@
 
 Every side trains its own copy of the same MLP (same initial weights, same batches, plain SGD) for `--steps`
 steps per rep: `loop` is the baseline (backward, one mpi4py Allreduce of the flat gradient, SGD by hand);
-`collsync` is `collsync.torch.DistributedOptimizer` (sync=bsp); `backup` is the same with sync=backup,
-backups=0 (the k-of-n partial allreduce at full quorum); `horovod` is `horovod.torch.DistributedOptimizer`
-(skipped, and said so, when Horovod is not built); `ddp` is torch's DistributedDataParallel on gloo.
-Reported per model size: median ms per step and its ratio to `loop`. The only assertion: every side ends with
-the baseline's parameters (within float32 rounding), so a fast but wrong side cannot win. Writes JSON to --out.
+`collsync` is `collsync.torch.DistributedOptimizer` (sync=bsp: buckets reduced on a thread while backward runs);
+`backup` is the same with sync=backup, backups=0 (the partial allreduce at full quorum: one allreduce a step);
+`horovod` is `horovod.torch.DistributedOptimizer` (skipped, and said so, when Horovod is not built); `ddp` is
+torch's DistributedDataParallel on gloo. Reported per model size: median ms per step (of the slowest rank) and its
+ratio to `loop`, and the median over reps of each rep's ratio to the loop's rep beside it. The only assertion:
+every side ends with the baseline's parameters (within float32 rounding), so a fast but wrong side cannot win.
+Writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -69,7 +71,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     xs = [torch.randn(args.batch, 64, generator=g) for _ in range(args.steps)]
     ys = [torch.randint(0, 10, (args.batch,), generator=g) for _ in range(args.steps)]
-    results: dict = {"ranks": n, "horovod": have_horovod, "sizes": {}}
+    results: dict = {
+        "command": f"mpiexec -n {n} python benchmarks/vs_peers.py --steps {args.steps} --reps {args.reps} "
+        f"--batch {args.batch}" + (" --tiny" if args.tiny else ""),
+        "ranks": n,
+        "horovod": have_horovod,
+        "load_before": list(os.getloadavg()),
+        "sizes": {},
+    }
     for size, hidden in sizes.items():
         sides: dict[str, tuple[nn.Module, Callable[[], None]]] = {}
 
@@ -118,19 +127,25 @@ def main() -> None:
         for name, (model, _) in sides.items():
             for a, b in zip(model.parameters(), base, strict=True):
                 torch.testing.assert_close(a.detach(), b, rtol=1e-4, atol=1e-5, msg=f"{name} != loop ({size})")
-        med = {k: statistics.median(v) for k, v in times.items()}
-        worst = {k: comm.allreduce(v, op=MPI.MAX) for k, v in med.items()}  # the slowest rank sets the pace
+        # The slowest rank sets the pace of every rep; each rep's ratio is taken against the loop's rep beside it.
+        reps = {k: [comm.allreduce(t, op=MPI.MAX) for t in v] for k, v in times.items()}
+        worst = {k: statistics.median(v) for k, v in reps.items()}
         params = sum(p.numel() for p in loop_model.parameters())
         results["sizes"][size] = {
             "params": params,
             "ms_per_step": {k: 1e3 * v for k, v in worst.items()},
             "ratio_to_loop": {k: v / worst["loop"] for k, v in worst.items()},
+            "ratio_median_of_reps": {
+                k: statistics.median(a / b for a, b in zip(v, reps["loop"], strict=True)) for k, v in reps.items()
+            },
+            "ms_each_rep": {k: [1e3 * t for t in v] for k, v in reps.items()},
         }
         if rank == 0:
             row = ", ".join(f"{k} {1e3 * v:.2f} ms ({v / worst['loop']:.2f}x)" for k, v in worst.items())
             print(f"-n {n}, {params:,} params: {row}", flush=True)
     if not have_horovod and rank == 0:
         print("vs_peers: Horovod is not built here (bash scripts/setup_horovod.sh): no horovod column", flush=True)
+    results["load_after"] = list(os.getloadavg())
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     torch.distributed.destroy_process_group()
