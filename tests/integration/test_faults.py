@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from collsync import checkpoint
-from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids, command
+from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids, case_summary, command, launch_runs
 
 pytestmark = [
     pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)"),
@@ -118,15 +118,23 @@ def test_a_stopped_rank_ends_the_job_within_its_deadline(tmp_path, overrides, ra
         assert says in summary["incomplete"]
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [["runtime=mpi", "sync=bsp"], ["runtime=allreduce", "sync=bsp"]],
-    ids=["mpi-bsp", "allreduce"],
-)
-def test_sigterm_checkpoints_and_the_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, overrides):
+SIGTERM_CASES = {"mpi-bsp": ["runtime=mpi", "sync=bsp"], "allreduce": ["runtime=allreduce", "sync=bsp"]}
+SIGTERM_STEPS = 200  # the signal comes at the first checkpoint (update 10): 190 updates left to resume
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """Each case's run never stopped, all in one 3-rank launch (tests/scripts/train_runs.py)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    runs = {case: [*FAST, *o, f"steps={SIGTERM_STEPS}"] for case, o in SIGTERM_CASES.items()}
+    return tmp_path, launch_runs(tmp_path, 3, runs)
+
+
+@pytest.mark.parametrize("case", list(SIGTERM_CASES))
+def test_sigterm_checkpoints_and_the_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, uninterrupted, case):
     """SIGTERM to every rank (as Slurm sends it): the job writes a checkpoint and the run folder and exits 143
     within seconds; resumed to the same number of steps, it ends equal to a run never stopped."""
-    steps = 400
+    overrides, steps = SIGTERM_CASES[case], SIGTERM_STEPS
     code, err, took = _hit_once_checkpointed(
         tmp_path / "stopped", 3, range(3), signal.SIGTERM, *overrides, f"steps={steps}"
     )
@@ -141,9 +149,8 @@ def test_sigterm_checkpoints_and_the_resumed_run_is_bitwise_the_uninterrupted_on
         command(tmp_path / "stopped", 3, *run, "resume=auto"), capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    plain = subprocess.run(command(tmp_path / "plain", 3, *run), capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    case_summary(uninterrupted, case)
     a = torch.load(tmp_path / "stopped" / "run" / "params.pt", weights_only=False)
-    b = torch.load(tmp_path / "plain" / "run" / "params.pt", weights_only=False)
+    b = torch.load(uninterrupted[0] / case / "run" / "params.pt", weights_only=False)
     assert a["version"] == b["version"] == steps
     assert torch.equal(a["params"], b["params"]), f"resumed at {stopped_at}: not the uninterrupted run"
