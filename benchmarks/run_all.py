@@ -229,10 +229,15 @@ def table(results: Path) -> str:
         if not path.exists():
             continue
         data = json.loads(path.read_text())
-        command = data.get("command") or " ".join(Path(a).name if "/" in a else a for a in b.full)
+        shown = [f"benchmarks/{Path(a).name}" if a.endswith(".py") else Path(a).name if "/" in a else a for a in b.full]
+        command = data.get("command") or " ".join(shown)
         load = data.get("load_before")
         when = f"; load {load[0]:.1f} before" if load else ""
-        result = f"{b.summary(data)} (`results/{b.name}.json`{when})"
+        try:
+            figures = b.summary(data)
+        except (KeyError, TypeError):
+            figures = "written by an older version of the script: re-run it"
+        result = f"{figures} (`results/{b.name}.json`{when})"
         rows.append(f"| {b.what} | `{command}` | {b.baseline} | {result} | {b.target} |")
     return "\n".join(rows)
 

@@ -1,0 +1,79 @@
+"""Every benchmark of `benchmarks/run_all.py` at its tiny size, so that none of them rots.
+
+No timing is asserted (speed lives in benchmarks/ as ratios against a baseline in the same run); each benchmark
+checks its own sides against its baseline (same parameters, every gradient counted) and exits non-zero otherwise,
+and here the JSON it writes is checked for what it must hold. The list is `run_all.py`'s own, so a benchmark added
+there is smoke-tested here (and fails until `_check` knows it). Not repeated here: `vs_peers`, which
+test_torch_launch.py runs at tiny size (`test_vs_peers_benchmark_runs_at_tiny_size`), and the soak, whose driver
+tests/mpi/test_soak.py runs at CI size; and the two benchmarks in `TOO_SLOW` (see there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+assert _spec is not None and _spec.loader is not None
+run_all = importlib.util.module_from_spec(_spec)
+sys.modules["run_all"] = run_all  # its dataclasses look their module up there
+_spec.loader.exec_module(run_all)
+
+COVERED_ELSEWHERE = {"vs_peers_n2", "mpi_soak"}  # the tests named in the docstring run them at tiny size
+# Three collsync-train launches each (about 20 s of CPU even at 4 steps): over the smoke run's budget of 60 s.
+# `python benchmarks/run_all.py --tiny --only mpi_stragglers mpi_psp` runs them.
+TOO_SLOW = {"mpi_stragglers", "mpi_psp"}
+
+
+def _check(name: str, data: dict[str, Any]) -> None:
+    """What each benchmark's JSON must hold after a correct tiny run."""
+    if name == "sim_overhead":
+        assert data["gradients"] > 0 and data["ratio"] > 0
+    elif name == "mpi_pushpull":
+        assert data["bytes"] > 0 and data["pull_ratio"] > 0 and data["push_ratio"] > 0
+    elif name.startswith("mpi_fullsync"):
+        for row in data["sizes"].values():
+            assert set(row["ratio_to_loop"]) == {"loop", "thread", "poll", "plain", "blocking"}
+            assert max(row["max_param_diff"].values()) <= 1e-4
+    elif name == "mpi_shards_scaling":
+        rows = data["servers"]
+        assert set(rows) == {"1", "2"}
+        target = int(data["command"].split("--updates ")[1].split()[0])
+        assert all(row["updates"] == target for row in rows.values())
+    elif name == "mpi_stragglers":
+        assert data["bsp"]["updates"] > 1 and data["async"]["updates"] > 1
+    elif name == "mpi_psp":
+        rows = [v for v in data.values() if isinstance(v, dict)]
+        assert len(rows) == 3 and all(0.0 <= r["final_acc"] <= 1.0 for r in rows)
+    elif name.startswith("torch_stragglers"):
+        assert "bsp" in data["modes"] and len(data["modes"]) >= 2
+    else:
+        raise AssertionError(f"no check for benchmark {name}: add one here")
+
+
+SMOKED = [b for b in run_all.BENCHES if b.tiny is not None and b.name not in COVERED_ELSEWHERE | TOO_SLOW]
+
+
+@pytest.mark.parametrize("bench", SMOKED, ids=[b.name for b in SMOKED])
+def test_benchmark_runs_at_tiny_size(tmp_path: Path, bench: Any) -> None:
+    out = tmp_path / f"{bench.name}.json"
+    ok, _, tail = run_all.run(bench, tiny=True, out=out)
+    assert ok, tail
+    _check(bench.name, json.loads(out.read_text()))
+
+
+def test_the_readme_table_is_written_from_the_jsons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{run_all.BEGIN}\nold\n{run_all.END}\nafter\n")
+    monkeypatch.setattr(run_all, "README", readme)
+    (tmp_path / "sim_overhead.json").write_text(json.dumps({"command": "python sim.py", "ratio": 1.234}))
+    run_all.write_table(tmp_path)
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
+    assert "| simulator overhead | `python sim.py` |" in text and "1.23 (`results/sim_overhead.json`)" in text
