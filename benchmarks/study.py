@@ -47,6 +47,8 @@ class Study:
     figures: tuple[str, ...] = ()
     # More figures from the runs: (runs, output folder) -> markdown lines for the README.
     plots: Callable[[list[dict[str, Any]], Path], list[str]] | None = None
+    # A paragraph under the title (e.g. which recipe the runs used).
+    intro: str = ""
 
 
 def _seeds(n: int = 3) -> str:
@@ -133,9 +135,8 @@ def _fmt(values: list[float]) -> str:
 
 def write_report(name: str, study: Study, runs: list[dict[str, Any]], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"# {study.title}",
-        "",
+    lines = [f"# {study.title}", ""] + ([study.intro, ""] if study.intro else [])
+    lines += [
         f"{len(runs)} simulated runs; mean ± std over seeds. Rows: `{study.rows}`, columns: `{study.cols}`.",
         "",
     ]
@@ -217,8 +218,28 @@ _PENALTIES = "method=asgd,nag_asgd,sa,ga,dana,dana_sa,dana_ga"
 _QUICK = ["steps=200", "seed=0"]
 
 
+def _plain(what: str, recipe: str) -> str:
+    """The note that marks a study as the plain-recipe runs, pointing at the paper-recipe study."""
+    return (
+        f"**The plain-recipe runs** ({what}), kept as they were. The paper's own recipe: [`{recipe}/`](../{recipe}/"
+        "README.md); every verdict: [the overview](../README.md)."
+    )
+
+
+_PLAIN_PENALTIES = _plain(
+    "one lr (0.05) and momentum 0.9 for every method, no warm-up, no schedule, the MLP on digits", "penalties_recipe"
+)
+_PLAIN_FASGD = _plain("alpha 10 and lr 0.1 set once, tau = max(staleness, 1), the MLP on digits", "fasgd_recipe")
+_PLAIN_BACKUP = _plain(
+    "momentum 0.9 at lr 0.05 for every policy (and plain SGD for async), the MLP on digits, no learning-rate "
+    "scaling with N",
+    "backup_vs_async_recipe",
+)
+
+
 def _penalty_study(stragglers: str, label: str, paper: str) -> Study:
     return Study(
+        intro=_PLAIN_PENALTIES,
         title=f"Staleness penalties vs workers, {label} workers (001_... Fig. 2 / Table 4 in miniature)",
         sweeps=[
             # Batch 16: 48 workers x 16 rows still fit one epoch of digits' 1,348 training rows.
@@ -447,10 +468,10 @@ _C4_DECAY_IN_PENALTY = ["penalty.weight_decay=0.0005", "optimizer.weight_decay=0
 
 
 def _recipe_penalty_sweeps() -> list[list[str]]:
-    """001_... Fig. 2 / Table 4 with App. C.4's recipe at 32 homogeneous workers: NAG for SA and GA (DANA-GA keeps
+    """001_... Fig. 2 / Table 4 with App. C.4's recipe at 32 and 8 homogeneous workers: NAG for SA and GA (DANA-GA keeps
     DANA), weight decay inside the penalised gradient, step schedule and warm-up; SA with both tau conventions; the
     single worker at C.4's own lr (0.1) as the baseline."""
-    workers = "runtime.workers=32"
+    workers, w8 = "runtime.workers=32", "runtime.workers=8"
     return [
         [
             *_C4,
@@ -464,6 +485,9 @@ def _recipe_penalty_sweeps() -> list[list[str]]:
         [*_C4, "method=ga", *_C4_DECAY_IN_PENALTY, workers, _C4_GRID],
         [*_C4, "method=dana_ga", *_C4_DECAY_IN_PENALTY, workers, _C4_GRID],
         [*_C4, "method=nag_asgd", "runtime.workers=1", "optimizer.lr=0.1"],  # the single-worker baseline
+        # 8 workers: where the plain-recipe runs had every penalty still training.
+        [*_C4, "method=sa", "optimizer=nesterov", "penalty.tau=staleness,boxes", *_C4_DECAY_IN_PENALTY, w8, _C4_GRID],
+        [*_C4, "method=ga,dana_ga", *_C4_DECAY_IN_PENALTY, w8, _C4_GRID],
     ]
 
 
@@ -477,15 +501,21 @@ def _recipe_backup_sweeps() -> list[list[str]]:
     return [
         [*common, "sync=backup", "sync.backups=1", f"optimizer.lr={lrs}", "steps=70", "warmup_updates=10"],
         [*common, "sync=async", "optimizer.lr=0.01,0.03", "steps=560", "eval_every=40"],
+        # Longer, at each policy's better grid value of the short runs (both were still far from 80% at 560).
+        [*common, "sync=backup", "sync.backups=1", "optimizer.lr=0.07", "steps=200", "warmup_updates=10"],
+        [*common, "sync=async", "optimizer.lr=0.01", "steps=1600", "eval_every=40"],
     ]
 
 
 def _recipe_fasgd_sweeps() -> list[list[str]]:
-    """002_... Fig. 2 with its own conventions (tau + 1, FRED's code) at 16 homogeneous workers: FASGD's alpha in
-    {3, 10}, SASGD's lr in {0.03, 0.1}."""
+    """002_... Fig. 2 with its own conventions (tau + 1, FRED's code) at 16 and 4 homogeneous workers: FASGD's
+    alpha in {3, 10}, SASGD's lr in {0.03, 0.1}."""
     common = ["sync=async", "runtime=sim", "experiment=odena_fasgd", "steps=400", "stragglers=gamma_homogeneous"]
-    common += ["runtime.workers=16", _seeds()]
-    return [[*common, "method=fasgd", "optimizer.lr=3,10"], [*common, "method=sasgd", "optimizer.lr=0.03,0.1"]]
+    sweeps = []
+    for workers in (16, 4):  # 4 added after 16 left both methods near chance
+        w = [*common, f"runtime.workers={workers}", _seeds()]
+        sweeps += [[*w, "method=fasgd", "optimizer.lr=3,10"], [*w, "method=sasgd", "optimizer.lr=0.03,0.1"]]
+    return sweeps
 
 
 def _tuned(rows: str, lr: str, value: str) -> Callable[[list[dict[str, Any]], Path], list[str]]:
@@ -526,6 +556,50 @@ def _tuned(rows: str, lr: str, value: str) -> Callable[[list[dict[str, Any]], Pa
     return plot
 
 
+def _backup_recipe_curves(runs: list[dict[str, Any]], out: Path) -> list[str]:
+    """000_... Fig. 3-6 in miniature: test accuracy (theta and its EMA) against simulated time and against the
+    gradients computed (applied + dropped), the mean over seeds of each (policy, lr)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    groups: dict[str, list[dict[str, np.ndarray]]] = defaultdict(list)
+    for run in runs:
+        label = _label(run["overrides"], "sync,sync.backups,optimizer.lr,steps")
+        with open(run["dir"] / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        if label is None or not rows:
+            continue
+        col = {k: np.array([float(r[k] or "nan") for r in rows]) for k in ("t", "acc", "ema_acc", "applied", "dropped")}
+        col["grads"] = col["applied"] + np.nan_to_num(col["dropped"])
+        groups[label].append(col)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    for label, cols in sorted(groups.items()):
+        for ax, x, y in ((axes[0], "t", "acc"), (axes[1], "t", "ema_acc"), (axes[2], "grads", "acc")):
+            top = max(float(np.nanmax(c[x])) for c in cols)
+            grid = np.linspace(0.0, top, 121)
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean = np.nanmean(np.vstack([np.interp(grid, c[x], c[y], right=np.nan) for c in cols]), axis=0)
+            ax.plot(grid, mean, label=f"{label} ({len(cols)} seeds)")
+    for ax, xl, title in (
+        (axes[0], "simulated time (s)", "test accuracy of theta"),
+        (axes[1], "simulated time (s)", "test accuracy of the EMA"),
+        (axes[2], "gradients computed (applied + dropped)", "test accuracy of theta"),
+    ):
+        ax.set_xlabel(xl)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy (mean over seeds)")
+    axes[2].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_curves.png", dpi=120)
+    plt.close(fig)
+    return ["## Accuracy vs simulated time and vs gradients computed", "", "![curves](accuracy_curves.png)", ""]
+
+
 PAPER_PENALTIES_RECIPE = "(filled in from the measured tables: see the README's own section below)"
 PAPER_BACKUP_RECIPE = PAPER_PENALTIES_RECIPE
 PAPER_FASGD_RECIPE = PAPER_PENALTIES_RECIPE
@@ -536,6 +610,7 @@ STUDIES: dict[str, Study] = {
     "penalties_heterogeneous": _penalty_study("gamma_heterogeneous", "heterogeneous", PAPER_PENALTIES + PAPER_HETERO),
     "fasgd_constant_product": Study(
         title="FASGD vs SASGD with batch x workers = 128 (002_... Fig. 1)",
+        intro=_PLAIN_FASGD,
         sweeps=_product_sweeps(),
         rows="method",
         cols="runtime.workers",
@@ -545,6 +620,7 @@ STUDIES: dict[str, Study] = {
     ),
     "fasgd_growing_workers": Study(
         title="FASGD vs SASGD with growing workers at batch 32 (002_... Fig. 2)",
+        intro=_PLAIN_FASGD,
         sweeps=[
             [
                 *_ASYNC,
@@ -603,6 +679,7 @@ STUDIES: dict[str, Study] = {
     ),
     "backup_vs_async": Study(
         title="Backup workers vs async vs BSP, 16 heterogeneous workers: simulated time to 90% test accuracy (000_...)",
+        intro=_PLAIN_BACKUP,
         sweeps=[
             [
                 "sync=backup",
@@ -641,7 +718,7 @@ STUDIES: dict[str, Study] = {
         quick=["seed=0"],
     ),
     "penalties_recipe": Study(
-        title="SA vs GA vs DANA-GA with 001_... App. C.4's recipe, CNN on shifted digits, 32 homogeneous workers",
+        title="SA vs GA vs DANA-GA with 001_... App. C.4's recipe, CNN on shifted digits, 8 and 32 homogeneous workers",
         sweeps=_recipe_penalty_sweeps(),
         rows="method,penalty.tau,optimizer.lr",
         cols="runtime.workers",
@@ -653,11 +730,12 @@ STUDIES: dict[str, Study] = {
     "backup_vs_async_recipe": Study(
         title="Backup workers vs async with 000_... App. A's recipe (RMSProp, lr x N, EMA), CNN on shifted digits",
         sweeps=_recipe_backup_sweeps(),
-        rows="sync,sync.backups,optimizer.lr",
+        rows="sync,sync.backups,optimizer.lr,steps",
         cols="runtime.workers",
         values=("time_to_acc:0.8", "time_to_ema_acc:0.8", "time_to_acc:0.5", "final_error", "ema_error"),
         paper=PAPER_BACKUP_RECIPE,
         quick=["seed=0"],
+        plots=_backup_recipe_curves,
     ),
     "fasgd_recipe": Study(
         title="FASGD vs SASGD with 002_...'s conventions (tau + 1, alpha grid), CNN on shifted digits",
