@@ -13,8 +13,11 @@ PY=.venv/bin/python
 MPIEXEC=.venv/bin/mpiexec
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
-echo "== unit, simulator and CLI tests"
-"$PY" -m pytest tests/unit tests/sim tests/integration -q -rs --durations=25
+echo "== unit and simulator tests (in-process, no launcher, no clock: two pytest-xdist workers, one per core)"
+"$PY" -m pytest tests/unit tests/sim -q -rs -n 2 --durations=10
+
+echo "== CLI and launch tests (one at a time: each launches its own ranks, and the fault tests wait on deadlines)"
+"$PY" -m pytest tests/integration -q -rs --durations=25
 
 for n in 1 4; do
     echo "== MPI tests at -n $n ($MPIEXEC)"
