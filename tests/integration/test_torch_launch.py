@@ -4,10 +4,12 @@ the example in every sync mode."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,17 +36,30 @@ def have_horovod() -> bool:
     pytest.skip("Horovod is not built here (bash scripts/setup_horovod.sh)")
 
 
+@pytest.fixture(scope="module")
+def hvd_diff(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, list[torch.Tensor]]]:
+    """tests/scripts/hvd_diff.py at `ranks` ranks with `args`: the final parameters of each case it ran. Each
+    launch runs once per module (Horovod's at 4 ranks serves two tests)."""
+    done: dict[tuple[int, tuple[str, ...]], dict[str, list[torch.Tensor]]] = {}
+
+    def run(ranks: int, *args: str) -> dict[str, list[torch.Tensor]]:
+        if (ranks, args) not in done:
+            out = tmp_path_factory.mktemp("hvd_diff") / "out.pt"
+            proc = mpirun(ranks, str(SCRIPTS / "hvd_diff.py"), *args, "--out", str(out))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[ranks, args] = torch.load(out)
+        return done[ranks, args]
+
+    return run
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_same_script_on_horovod_and_collsync_ends_equal(tmp_path, ranks):
+def test_same_script_on_horovod_and_collsync_ends_equal(hvd_diff, ranks):
     """Plain, backward_passes_per_step=2, gradient_predivide_factor=2, fp16 compression and op=Sum: float64
     parameters after 20 steps equal within 1e-10 (in practice bit for bit)."""
     have_horovod()
-    out = {}
-    for impl in ("horovod", "collsync"):
-        out[impl] = tmp_path / f"{impl}.pt"
-        proc = mpirun(ranks, str(SCRIPTS / "hvd_diff.py"), "--impl", impl, "--case", "all", "--out", str(out[impl]))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs, ours = torch.load(out["horovod"]), torch.load(out["collsync"])
+    theirs = hvd_diff(ranks, "--impl", "horovod", "--case", "all")
+    ours = hvd_diff(ranks, "--impl", "collsync", "--case", "all")
     assert sorted(ours) == sorted(theirs) == sorted(["plain", "passes", "predivide", "fp16", "sum"])
     for case in ours:
         assert all(p.dtype == torch.float64 for p in ours[case])
@@ -54,35 +69,51 @@ def test_same_script_on_horovod_and_collsync_ends_equal(tmp_path, ranks):
     assert not torch.equal(ours["plain"][0], ours["fp16"][0]) and not torch.equal(ours["plain"][0], ours["sum"][0])
 
 
-def test_horovod_backend_reduces_like_horovod(tmp_path):
+def test_horovod_backend_reduces_like_horovod(hvd_diff):
+    """fp16 compression through collsync.torch with backend="horovod", against Horovod's own run at 4 ranks (the
+    launch test_same_script_on_horovod_and_collsync_ends_equal compares with)."""
     have_horovod()
-    paths = [tmp_path / "horovod.pt", tmp_path / "backend.pt"]
-    runs = [("--impl", "horovod"), ("--impl", "collsync", "--backend", "horovod")]
-    for path, impl in zip(paths, runs, strict=True):
-        proc = mpirun(4, str(SCRIPTS / "hvd_diff.py"), *impl, "--case", "fp16", "--out", str(path))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = (torch.load(p)["fp16"] for p in paths)
+    a = hvd_diff(4, "--impl", "horovod", "--case", "all")["fp16"]
+    b = hvd_diff(4, "--impl", "collsync", "--backend", "horovod", "--case", "fp16")["fp16"]
     assert max((x - y).abs().max().item() for x, y in zip(a, b, strict=True)) <= 1e-10
 
 
-@pytest.mark.parametrize(
-    ("ranks", "overrides"),
-    [
-        # DANA, async's default, has workers read a look-ahead, not theta: the plain rule compares the two.
-        (2, ["sync=async", "optimizer=momentum"]),
-        (3, ["sync=ssp", "sync.max_lead=0"]),
-        (3, ["sync=bsp"]),
-        (3, ["sync=backup", "sync.backups=0"]),
-        (4, ["sync=bsp", "runtime.servers=2"]),
-    ],
-    ids=["async-1-worker", "ssp-s0", "bsp-on-server", "backup-b0", "bsp-two-shards"],
-)
-def test_script_through_collsync_torch_equals_collsync_train(tmp_path, ranks, overrides):
-    common = ["runtime=mpi", "steps=20", "stragglers=none", *overrides]
-    run = tmp_path / "run"
-    cli = mpirun(ranks, "-m", "collsync.cli", f"hydra.run.dir={run}", "progress=false", *common)
-    assert cli.returncode == 0, cli.stderr[-3000:]
-    proc = mpirun(ranks, str(SCRIPTS / "train_equal.py"), "--out", str(tmp_path / "t.pt"), *common)
+EQUAL = {
+    # DANA, async's default, has workers read a look-ahead, not theta: the plain rule compares the two.
+    "async-1-worker": (2, ["sync=async", "optimizer=momentum"]),
+    "ssp-s0": (3, ["sync=ssp", "sync.max_lead=0"]),
+    "bsp-on-server": (3, ["sync=bsp"]),
+    "backup-b0": (3, ["sync=backup", "sync.backups=0"]),
+    "bsp-two-shards": (4, ["sync=bsp", "runtime.servers=2"]),
+}
+EQUAL_COMMON = ["runtime=mpi", "steps=20", "stragglers=none"]
+
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The `collsync-train` side of EQUAL: the cases of one rank count in one launch (tests/scripts/train_runs.py,
+    the entry point's own `execute`), launched on the first case that asks; returns the case's run folder."""
+    done: dict[int, Path] = {}
+
+    def folder(case: str) -> Path:
+        ranks = EQUAL[case][0]
+        if ranks not in done:
+            tmp = tmp_path_factory.mktemp(f"train_{ranks}")
+            runs = {str(tmp / c / "run"): [*EQUAL_COMMON, *o] for c, (n, o) in EQUAL.items() if n == ranks}
+            (tmp / "runs.json").write_text(json.dumps(runs))
+            proc = mpirun(ranks, str(SCRIPTS / "train_runs.py"), str(tmp / "runs.json"))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[ranks] = tmp
+        return done[ranks] / case / "run"
+
+    return folder
+
+
+@pytest.mark.parametrize("case", list(EQUAL))
+def test_script_through_collsync_torch_equals_collsync_train(tmp_path, train_runs, case):
+    ranks, overrides = EQUAL[case]
+    run = train_runs(case)
+    proc = mpirun(ranks, str(SCRIPTS / "train_equal.py"), "--out", str(tmp_path / "t.pt"), *EQUAL_COMMON, *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = torch.load(tmp_path / "t.pt")
     theirs = torch.load(run / "params.pt", weights_only=False)["params"]
@@ -127,7 +158,7 @@ def test_vs_peers_benchmark_runs_at_tiny_size(tmp_path):
     out = tmp_path / "vs_peers.json"
     proc = mpirun(2, "benchmarks/vs_peers.py", "--tiny", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = __import__("json").loads(out.read_text())
+    result = json.loads(out.read_text())
     sides = set(result["sizes"]["tiny"]["ms_per_step"])
     assert {"loop", "collsync", "backup", "ddp"} <= sides
     assert ("horovod" in sides) == result["horovod"]
