@@ -4,15 +4,13 @@ points. About 25 s per MPI launch and 10 s for the simulator run both are compar
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from collsync.checks import check_trace
 from collsync.policy import specsync
 from collsync.trace import Trace
 from tests.integration.test_mpi_cli import MPIEXEC, launch, summary
+from tests.integration.test_mpi_cli import simulated as run_simulated
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)")
 
@@ -21,18 +19,8 @@ OVERRIDES = ["sync=specsync", "optimizer=sgd", "steps=200"]  # SpecSync-Adaptive
 
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory) -> dict:
-    """The same config in the simulator with as many workers."""
-    tmp_path = tmp_path_factory.mktemp("sim")
-    sim = subprocess.run(
-        [sys.executable, "-m", "collsync.cli", f"hydra.run.dir={tmp_path / 'sim' / 'run'}", "progress=false"]
-        + [*OVERRIDES, "runtime=sim", "runtime.workers=4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert sim.returncode == 0, sim.stderr[-2000:]
-    return summary(tmp_path / "sim")
+    """The same config in the simulator with as many workers (in this process: no interpreter to start)."""
+    return run_simulated(tmp_path_factory.mktemp("sim"), OVERRIDES, 4)
 
 
 @pytest.mark.parametrize("scheduler, ranks", [("server", 5), ("rank", 6)])
