@@ -129,6 +129,27 @@ class CommThread:
                 if self._done == self._posted:
                     self._cv.notify_all()
 
+    def run(self, array: Any, deadline: float | None, what: str) -> None:
+        """Wait for everything posted, then sum `array` in the calling thread (the last bucket of a step: nothing is
+        left to overlap it with, and a hand-over to the thread and back costs two wake-ups, which on a loaded node
+        are scheduling delays). Bounded by `deadline` as `wait` is: the sum is an `Iallreduce` tested in a loop."""
+        MPI = self.MPI  # noqa: N806 - the module's own name
+        self.wait(deadline, what)
+        if deadline is None and self.blocking:
+            self.comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+            return
+        end = None if deadline is None else time.monotonic() + deadline
+        request = self.comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        tests = 0
+        while not request.Test():
+            tests += 1
+            if end is not None and tests % 64 == 0 and time.monotonic() >= end:
+                raise TimeoutError(
+                    f"{what} did not complete within deadline={deadline:g}s: a rank stopped, hangs or died"
+                )
+            if not self.blocking:
+                os.sched_yield()
+
     @property
     def idle(self) -> bool:
         """Nothing posted is still running."""
@@ -233,7 +254,8 @@ class BucketReducer:
     replicas stay bit-identical.
 
     `thread` (the default wherever MPI allows threads and there is more than one rank): each bucket's sum runs on a
-    `CommThread`, which divides it too, while backward goes on; the end of backward waits for the last one. Else
+    `CommThread`, which divides it too, while backward goes on; the end of backward waits for them and sums the
+    last bucket itself (nothing is left to overlap it with). Else
     each bucket is an `Iallreduce` from the hook, and `poll` tests the buckets in flight from every hook: MPICH
     moves a nonblocking collective only while its rank is inside an MPI call, so without this a bucket started early
     makes no progress until the end of backward.
@@ -334,8 +356,9 @@ class BucketReducer:
 
     def _start(self, bucket: int) -> None:
         if self._thread is not None:
-            view = self._views[bucket]
-            self._thread.post(self._arrays[bucket], lambda: view.div_(self.size))
+            if bucket < len(self.buckets) - 1:  # the last one is summed by `_finish` itself, in this thread
+                view = self._views[bucket]
+                self._thread.post(self._arrays[bucket], lambda: view.div_(self.size))
         else:
             self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._arrays[bucket], op=self.MPI.SUM))
         self._next = bucket + 1
@@ -344,7 +367,8 @@ class BucketReducer:
         while self._next < len(self.buckets):
             self._start(self._next)
         if self._thread is not None:
-            self._thread.wait(self.deadline, "a gradient bucket's allreduce")
+            self._thread.run(self._arrays[-1], self.deadline, "a gradient bucket's allreduce")
+            self._views[-1].div_(self.size)
             self._state = _REDUCED
             return
         for request, view in zip(self._requests, self._views, strict=True):

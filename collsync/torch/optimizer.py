@@ -154,7 +154,8 @@ class _Overlap:
     `p.grad` at that slice, so the reduced mean is where the optimizer reads it and nothing is copied back. A bucket
     whose parameters are all in starts at once on a `CommThread` (buckets strictly in order: MPI matches collectives
     by order, and a rank may finish parameters in another order); `finish()` (from `step()` or `synchronize()`)
-    starts what is left, parameters that got no gradient counting as zero, and waits, bounded by `deadline`.
+    starts what is left, parameters that got no gradient counting as zero, waits, bounded by `deadline`, and sums
+    the last bucket itself (`CommThread.run`: nothing is left to overlap it with).
 
     The mean is Horovod's: g_bar = post * sum_r (pre * g_r). When pre is 1 and post a power of two (1/n for
     Average on a world of 2^k ranks), post is applied before the sum, fused with the move into the buffer: scaling
@@ -242,8 +243,9 @@ class _Overlap:
     def _start(self, bucket: int) -> None:
         if bucket == 0 and self.flat.flag:
             self.flat.buf[-1] = self.pre  # the join flag: this worker steps
-        view = self.slices[bucket]
-        self.thread.post(self.arrays[bucket], None if self.post == 1.0 else lambda: view.mul_(self.post))
+        if bucket < len(self.buckets) - 1:  # the last one is summed by `finish` itself (CommThread.run)
+            view = self.slices[bucket]
+            self.thread.post(self.arrays[bucket], None if self.post == 1.0 else lambda: view.mul_(self.post))
         self.next = bucket + 1
 
     def finish(self) -> None:
@@ -254,7 +256,9 @@ class _Overlap:
                     self._stage(index)
             self._start(self.next)
         try:
-            self.thread.wait(self.deadline, "DistributedOptimizer: the gradient allreduce")
+            self.thread.run(self.arrays[-1], self.deadline, "DistributedOptimizer: the gradient allreduce")
+            if self.post != 1.0:
+                self.slices[-1].mul_(self.post)
         finally:
             self.counts = [0] * len(self.counts)
             self.missing = [len(b) for b in self.buckets]
@@ -263,9 +267,9 @@ class _Overlap:
     def idle_round(self) -> torch.Tensor:
         """Join: one reduction with zeros and the flag 0, matching a stepping worker's buckets; the summed buffer."""
         self.flat.buf.zero_()
-        for b in range(len(self.buckets)):
+        for b in range(len(self.buckets) - 1):
             self.thread.post(self.arrays[b])
-        self.thread.wait(self.deadline, "DistributedOptimizer: join's allreduce")
+        self.thread.run(self.arrays[-1], self.deadline, "DistributedOptimizer: join's allreduce")
         return self.flat.buf
 
     def close(self) -> None:
