@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from collsync import checkpoint
-from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids, command
+from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids, case_summary, command, launch_runs
 
 pytestmark = [
     pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)"),
@@ -27,6 +27,18 @@ pytestmark = [
 ]
 
 SHARDS = ["runtime=mpi", "runtime.servers=2", "checkpoint.every=10", "eval_every=50", "sync.deadline=5"]
+BSP = ["sync=bsp", "steps=300"]
+ASYNC = ["sync=async", "optimizer=sgd"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One 4-rank launch, runs one after another: bsp never stopped (what a resumed bsp run must equal), async to
+    200 updates, then async resumed from that run's last checkpoint for 260."""
+    tmp_path = tmp_path_factory.mktemp("shards")
+    more = [*SHARDS, *ASYNC, "steps=260", f"resume={tmp_path / 'first' / 'run'}"]
+    cases = {"plain": [*SHARDS, *BSP], "first": [*SHARDS, *ASYNC, "steps=200"], "more": more}
+    return tmp_path, launch_runs(tmp_path, 4, cases)
 
 
 def _stop_after_a_checkpoint(tmp_path: Path, *overrides: str) -> tuple[int, str]:
@@ -58,9 +70,8 @@ def _resume(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]
     )
 
 
-def test_two_shards_checkpoint_at_one_version_and_resume_bit_for_bit_under_bsp(tmp_path: Path) -> None:
-    run = ["sync=bsp", "steps=300"]
-    code, err = _stop_after_a_checkpoint(tmp_path / "stopped", *run)
+def test_two_shards_checkpoint_at_one_version_and_resume_bit_for_bit_under_bsp(runs, tmp_path: Path) -> None:
+    code, err = _stop_after_a_checkpoint(tmp_path / "stopped", *BSP)
     assert code == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped by SIGTERM at server step" in err, err[-2000:]
     saved = checkpoint.load(tmp_path / "stopped" / "run" / checkpoint.NAME)
@@ -69,31 +80,21 @@ def test_two_shards_checkpoint_at_one_version_and_resume_bit_for_bit_under_bsp(t
     assert saved["shards"][0]["server"]["version"] == saved["server"]["version"] == saved["version"]
     for part in (saved["server"], saved["shards"][0]["server"]):
         assert all(n >= saved["version"] for n in part["received"]), part["received"]
-    resumed = _resume(tmp_path / "stopped", *run)
+    resumed = _resume(tmp_path / "stopped", *BSP)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    plain = subprocess.run(command(tmp_path / "plain", 4, *SHARDS, *run), capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    case_summary(runs, "plain")
     a = torch.load(tmp_path / "stopped" / "run" / "params.pt", weights_only=False)
-    b = torch.load(tmp_path / "plain" / "run" / "params.pt", weights_only=False)
+    b = torch.load(runs[0] / "plain" / "run" / "params.pt", weights_only=False)
     assert a["version"] == b["version"] == 300
     assert torch.equal(a["params"], b["params"]), f"resumed at {saved['version']}: not the uninterrupted run"
 
 
-def test_two_shards_resume_under_async_loses_no_gradient(tmp_path: Path) -> None:
-    """Resume the last periodic checkpoint of a finished async run for more steps, into a new run folder."""
-    first = subprocess.run(
-        command(tmp_path / "first", 4, *SHARDS, "sync=async", "optimizer=sgd", "steps=200"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert first.returncode == 0, first.stderr[-2000:]
-    saved = checkpoint.load(tmp_path / "first" / "run" / checkpoint.NAME)
+def test_two_shards_resume_under_async_loses_no_gradient(runs) -> None:
+    """The last periodic checkpoint of a finished async run, resumed for more steps into a new run folder."""
+    case_summary(runs, "first")
+    saved = checkpoint.load(runs[0] / "first" / "run" / checkpoint.NAME)
     assert len(saved["shards"]) == 1 and 100 <= saved["version"] < 200
-    more = ["sync=async", "optimizer=sgd", "steps=260", f"resume={tmp_path / 'first' / 'run'}"]
-    resumed = subprocess.run(command(tmp_path / "more", 4, *SHARDS, *more), capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    summary = json.loads((tmp_path / "more" / "run" / "summary.json").read_text())
+    summary = case_summary(runs, "more")
     assert "incomplete" not in summary
     # Each shard's trace (restored, then continued) passed check_trace: every push applied or dropped once.
     for shard in summary["shards"]:
@@ -101,5 +102,5 @@ def test_two_shards_resume_under_async_loses_no_gradient(tmp_path: Path) -> None
     # The shards went on from the checkpoint: their pushes include the ones it holds.
     before = [sum(saved["server"]["received"]), sum(saved["shards"][0]["server"]["received"])]
     assert all(s["pushed"] > b for s, b in zip(summary["shards"], before, strict=True)), (summary["shards"], before)
-    events = [json.loads(line) for line in (tmp_path / "more" / "run" / "trace.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (runs[0] / "more" / "run" / "trace.jsonl").read_text().splitlines()]
     assert sum(e["ev"] == "resume" for e in events) == 1
