@@ -487,7 +487,8 @@ def _recipe_penalty_sweeps() -> list[list[str]]:
         [*_C4, "method=nag_asgd", "runtime.workers=1", "optimizer.lr=0.1"],  # the single-worker baseline
         # 8 workers: where the plain-recipe runs had every penalty still training.
         [*_C4, "method=sa", "optimizer=nesterov", "penalty.tau=staleness,boxes", *_C4_DECAY_IN_PENALTY, w8, _C4_GRID],
-        [*_C4, "method=ga,dana_ga", *_C4_DECAY_IN_PENALTY, w8, _C4_GRID],
+        [*_C4, "method=ga", *_C4_DECAY_IN_PENALTY, w8, _C4_GRID],
+        [*_C4, "method=dana_ga", *_C4_DECAY_IN_PENALTY, w8, _C4_GRID],
     ]
 
 
@@ -515,6 +516,9 @@ def _recipe_fasgd_sweeps() -> list[list[str]]:
     for workers in (16, 4):  # 4 added after 16 left both methods near chance
         w = [*common, f"runtime.workers={workers}", _seeds()]
         sweeps += [[*w, "method=fasgd", "optimizer.lr=3,10"], [*w, "method=sasgd", "optimizer.lr=0.03,0.1"]]
+    # alpha = 300, added once FASGD's step was measured: alpha / (v tau) is about 100x SASGD's lr / tau on this CNN
+    # at alpha 3 (1 / v ~ 3e-4 per parameter, about the gradients' spread), so the grid above never trained.
+    sweeps.append([*common, "runtime.workers=4,16", _seeds(), "method=fasgd", "optimizer.lr=300"])
     return sweeps
 
 
