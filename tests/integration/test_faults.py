@@ -120,13 +120,16 @@ def test_a_stopped_rank_ends_the_job_within_its_deadline(tmp_path, overrides, ra
 
 SIGTERM_CASES = {"mpi-bsp": ["runtime=mpi", "sync=bsp"], "allreduce": ["runtime=allreduce", "sync=bsp"]}
 SIGTERM_STEPS = 200  # the signal comes at the first checkpoint (update 10): 190 updates left to resume
+# Every rank is signalled: the workers wait on rank 0 while it writes the checkpoint and the run folder, which on a
+# loaded machine took longer than FAST's deadline of 2 s (the run then failed on the deadline instead of exiting 143).
+SIGTERM_DEADLINE = "sync.deadline=10"
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """Each case's run never stopped, all in one 3-rank launch (tests/scripts/train_runs.py)."""
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    runs = {case: [*FAST, *o, f"steps={SIGTERM_STEPS}"] for case, o in SIGTERM_CASES.items()}
+    runs = {case: [*FAST, SIGTERM_DEADLINE, *o, f"steps={SIGTERM_STEPS}"] for case, o in SIGTERM_CASES.items()}
     return tmp_path, launch_runs(tmp_path, 3, runs)
 
 
@@ -136,7 +139,7 @@ def test_sigterm_checkpoints_and_the_resumed_run_is_bitwise_the_uninterrupted_on
     within seconds; resumed to the same number of steps, it ends equal to a run never stopped."""
     overrides, steps = SIGTERM_CASES[case], SIGTERM_STEPS
     code, err, took = _hit_once_checkpointed(
-        tmp_path / "stopped", 3, range(3), signal.SIGTERM, *overrides, f"steps={steps}"
+        tmp_path / "stopped", 3, range(3), signal.SIGTERM, SIGTERM_DEADLINE, *overrides, f"steps={steps}"
     )
     assert code == 128 + signal.SIGTERM, err[-1500:]
     assert "stopped by SIGTERM at server step" in err and took < 30, (took, err[-1500:])
@@ -144,7 +147,7 @@ def test_sigterm_checkpoints_and_the_resumed_run_is_bitwise_the_uninterrupted_on
     assert 0 < stopped_at < steps
     summary = json.loads((tmp_path / "stopped" / "run" / "summary.json").read_text())
     assert summary["incomplete"].startswith("stopped by SIGTERM")
-    run = [*FAST, *overrides, f"steps={steps}"]
+    run = [*FAST, SIGTERM_DEADLINE, *overrides, f"steps={steps}"]
     resumed = subprocess.run(
         command(tmp_path / "stopped", 3, *run, "resume=auto"), capture_output=True, text=True, timeout=300
     )
