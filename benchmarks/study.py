@@ -5,9 +5,10 @@
     python benchmarks/study.py report NAME             # tables + plots into benchmarks/results/NAME/
     python benchmarks/study.py list
 
-A study is a named list of override sets (each a Hydra multirun) plus how to lay out its table. Every method of a
-study shares one set of hyperparameters (001_... tuned nothing per method, and neither do we). Numbers are means
-over seeds with their standard deviation.
+A study is a named list of override sets (each a Hydra multirun) plus how to lay out its table. In the first studies
+(the plain-recipe runs) every method shares one set of hyperparameters; the `*_recipe` studies take a paper's own
+recipe (`experiment=...`, conf/experiment/) and run every method on the same small learning-rate grid, reporting
+each cell and the best lr per method. Numbers are means over seeds with their standard deviation.
 """
 
 from __future__ import annotations
