@@ -122,9 +122,10 @@ def mpi(servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0
 def allreduce(bucket_mib: float = 4.0, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
     """Serverless full sync over MPI collectives: every rank is a worker (BSP only).
 
-    `bucket_mib`: gradients are averaged in buckets of about this many MiB with `MPI_Iallreduce` while the
-    backward pass runs (overlap, as Horovod's tensor fusion and DDP's buckets); 0: one blocking `MPI_Allreduce` of
-    the whole gradient after backward (faster where there is no spare core to progress MPI, see benchmarks/).
+    `bucket_mib`: gradients are averaged in buckets of about this many MiB while the backward pass runs (overlap,
+    as Horovod's tensor fusion and DDP's buckets): each bucket's `MPI_Allreduce` on a communication thread
+    (`mpi_coll.CommThread`, where MPI allows threads; `MPI_Iallreduce` + `Testall` otherwise); 0: one
+    `MPI_Allreduce` of the whole gradient after backward. Either way bounded by `sync.deadline`.
     """
     return RuntimeSpec("allreduce", inject_stragglers=inject_stragglers, time_scale=time_scale, bucket_mib=bucket_mib)
 
