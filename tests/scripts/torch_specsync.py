@@ -5,8 +5,9 @@ a forward or a backward safe point.
 
 `--form`: how the script takes aborts. `wrapper`: `hvd.speculative(step)` re-runs the step; `closure`:
 `opt.step(closure)` re-runs the closure; `plain`: a Horovod loop, `opt.aborted` says a step threw its gradient
-away. Each worker runs `steps / size()` batches. Worker 0 writes `--out` (JSON): each worker's attempts (batch,
-version the attempt ran on, how far it got), aborts and counts, the scheduler's counts, and the test accuracy.
+away, and the loop draws the next batch until it has pushed its share. Each worker pushes `steps / size()`
+gradients. Worker 0 writes `--out` (JSON): each worker's attempts (batch, version the attempt ran on, how far it
+got), aborts and counts, the scheduler's counts, and the test accuracy.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def train_step(j: int) -> None:
 
 steps = int(cfg.steps) // hvd.size()
 thrown = 0  # plain form: steps whose gradient step() threw away
-for j in range(steps):
+j = pushed = 0  # the plain form draws the next batch after a thrown one, until `steps` gradients were pushed
+while pushed < steps:
     if args.form == "wrapper":
         train_step(j)
     elif args.form == "closure":
@@ -87,6 +89,9 @@ for j in range(steps):
         opt.step()
         thrown += opt.aborted
         attempts[-1]["reached"] = "thrown" if opt.aborted else "pushed"
+        pushed -= opt.aborted
+    pushed += 1
+    j += 1
 
 opt.close()  # the scheduler's counts reach every worker here
 x, y = parts.data.x_test, parts.data.y_test
