@@ -73,6 +73,7 @@ class Server:
         self.applied = 0
         self.dropped = 0
         self._view: Flat | None = None
+        self._scratch: Flat | None = None  # the buffer an in-place optimizer works in (see `_owned`)
         # Versions some worker may still send a gradient for, with the view it read (Gap-Aware's theta_{k-tau}).
         self._history: dict[int, Flat] = {}
         # B-FASGD: each worker's last gradient, re-applied when it skips a push.
@@ -224,15 +225,26 @@ class Server:
             )
             g, self.pen_state = self.penalty.update(a.grad, self.pen_state, self.params, ctx)
             gaps.append(_gap(self.pen_state))
-            total = g.clone() if total is None else total.add_(g)
+            total = self._owned(g) if total is None else total.add_(g)
         assert total is not None  # a batch is never empty: _advance and flush check
-        self._step(total.div_(len(batch)), batch, gaps)
+        if len(batch) > 1:  # x / 1 is x exactly: one pass saved on every asynchronous update
+            total.div_(len(batch))
+        self._step(total, batch, gaps)
 
     def apply_mean(self, mean: Flat, batch: list[Arrival]) -> None:
         """Apply an already averaged gradient (serverless allreduce: every rank's replica does this)."""
         for a in batch:
             self._note("push", worker=a.worker, clock=a.clock, version=a.version, staleness=self.version - a.version)
-        self._step(mean, sorted(batch, key=lambda a: (a.worker, a.clock)))
+        self._step(self._owned(mean), sorted(batch, key=lambda a: (a.worker, a.clock)))
+
+    def _owned(self, g: Flat) -> Flat:
+        """`g` copied into the server's own buffer, which the optimizer's in-place `update_` may then overwrite
+        (the buffer is reused: no allocation per update). Without `update_`, a fresh copy as before."""
+        if self.optimizer.update_ is None:
+            return g.clone()
+        if self._scratch is None:
+            self._scratch = torch.empty_like(self.params)
+        return self._scratch.copy_(g)
 
     def _step(self, mean: Flat, batch: list[Arrival], gaps: list[float | None] | None = None) -> None:
         first = batch[0]
@@ -244,7 +256,9 @@ class Server:
             read=self._history.get(first.version) if self.needs_read and len(batch) == 1 else None,
             aggregated=len(batch),
         )
-        delta, self.opt_state = self.optimizer.update(mean, self.opt_state, self.params, ctx)
+        # `mean` is the server's own (see `_owned`): an in-place optimizer writes the delta over it.
+        update = self.optimizer.update_ or self.optimizer.update
+        delta, self.opt_state = update(mean, self.opt_state, self.params, ctx)
         if self.guard != "off" and not _finite(delta):
             raise Diverged(
                 f"guard: the update of server step {self.version} is non-finite ({_first_bad(delta)}), from "

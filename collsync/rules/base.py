@@ -25,12 +25,38 @@ class Rule(NamedTuple):
 
     `needs_read` asks the server to keep the parameters each worker read, so that `ctx.read` is filled (Gap-Aware
     measures the gap theta_k - theta_{k-tau}; 001_... App. D.1 keeps one copy per worker on the master).
+
+    `update_` (optional) is `update` in place: the same result bit for bit, but it may write its output into `grad`
+    and overwrite the tensors of `state`. The server calls it on a gradient buffer it owns and keeps no earlier
+    state, so a step allocates nothing (a fresh 20 MB tensor per update costs more than the arithmetic: the kernel
+    zero-fills its pages); everyone else calls the pure `update`. `pure(update_)` makes the one from the other,
+    so the two cannot drift apart.
     """
 
     init: Callable[[Flat], State]
     update: Callable[[Flat, State, Flat, Context], tuple[Flat, State]]
     view: Callable[[Flat, State], Flat] = params_unchanged
     needs_read: bool = False
+    update_: Callable[[Flat, State, Flat, Context], tuple[Flat, State]] | None = None
+
+
+def pure(update_: Callable[[Flat, State, Flat, Context], tuple[Flat, State]]) -> Callable[..., tuple[Flat, State]]:
+    """The pure `update` of an in-place `update_`: the same arithmetic on copies of the gradient and the state."""
+
+    def update(grad: Flat, state: State, params: Flat, ctx: Context) -> tuple[Flat, State]:
+        return update_(grad.clone(), _copy(state), params, ctx)
+
+    return update
+
+
+def _copy(state: State) -> State:
+    """A copy of a rule state whose tensors `update_` may overwrite (NamedTuples and tuples of tensors/numbers)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, tuple):
+        items = [_copy(x) for x in state]
+        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    return state
 
 
 class EmptyState(NamedTuple):
@@ -74,19 +100,26 @@ def chain(*rules: Rule) -> Rule:
     def init(params: Flat) -> tuple[State, ...]:
         return tuple(r.init(params) for r in rules)
 
-    def update(grad: Flat, state: tuple[State, ...], params: Flat, ctx: Context) -> tuple[Flat, tuple[State, ...]]:
-        new_states = []
-        for rule, s in zip(rules, state, strict=True):
-            grad, s = rule.update(grad, s, params, ctx)
-            new_states.append(s)
-        return grad, tuple(new_states)
+    def composed(step: Callable[[Rule], Callable[..., tuple[Flat, State]]]) -> Callable[..., tuple[Flat, State]]:
+        def update(grad: Flat, state: tuple[State, ...], params: Flat, ctx: Context) -> tuple[Flat, tuple[State, ...]]:
+            new_states = []
+            for rule, s in zip(rules, state, strict=True):
+                grad, s = step(rule)(grad, s, params, ctx)
+                new_states.append(s)
+            return grad, tuple(new_states)
+
+        return update
+
+    update = composed(lambda r: r.update)
+    # In place only if every rule can be: the first one's output is the next one's input, owned all along.
+    update_ = composed(lambda r: r.update_) if all(r.update_ is not None for r in rules) else None
 
     def view(params: Flat, state: tuple[State, ...]) -> Flat:
         for rule, s in zip(rules, state, strict=True):
             params = rule.view(params, s)
         return params
 
-    return Rule(init, update, view, any(r.needs_read for r in rules))
+    return Rule(init, update, view, any(r.needs_read for r in rules), update_)
 
 
 def check_lr(name: str, lr: float) -> None:

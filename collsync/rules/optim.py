@@ -18,6 +18,7 @@ from collsync.rules.base import (
     check_milestones,
     check_positive,
     check_unit,
+    pure,
     step_lr,
     warmup_lr,
     zeros_like,
@@ -46,12 +47,12 @@ def sgd(
     def init(params: Flat) -> EmptyState:
         return EmptyState()
 
-    def update(grad: Flat, state: EmptyState, params: Flat, ctx: Context) -> tuple[Flat, EmptyState]:
+    def update_(grad: Flat, state: EmptyState, params: Flat, ctx: Context) -> tuple[Flat, EmptyState]:
         if weight_decay:
-            grad = grad + weight_decay * params
-        return grad * -step_lr(lr, warmup, ctx.step, steps, lr_decay), state
+            grad.add_(weight_decay * params)
+        return grad.mul_(-step_lr(lr, warmup, ctx.step, steps, lr_decay)), state
 
-    return Rule(init, update)
+    return Rule(init, pure(update_), update_=update_)
 
 
 class MomentumState(NamedTuple):
@@ -84,14 +85,18 @@ def momentum(
     def init(params: Flat) -> MomentumState:
         return MomentumState(zeros_like(params))
 
-    def update(grad: Flat, state: MomentumState, params: Flat, ctx: Context) -> tuple[Flat, MomentumState]:
+    def update_(grad: Flat, state: MomentumState, params: Flat, ctx: Context) -> tuple[Flat, MomentumState]:
+        # The same operations, in the same order, as v * gamma + g and (g + gamma v) * -eta: no fused
+        # multiply-add, so the in-place step equals the pure one bit for bit.
         if weight_decay:
-            grad = grad + weight_decay * params
-        v = state.v * momentum + grad
-        step = grad + momentum * v if nesterov else v
-        return step * -step_lr(lr, warmup, ctx.step, steps, lr_decay), MomentumState(v)
+            grad.add_(weight_decay * params)
+        v = state.v.mul_(momentum).add_(grad)
+        eta = step_lr(lr, warmup, ctx.step, steps, lr_decay)
+        if nesterov:
+            return grad.add_(momentum * v).mul_(-eta), state
+        return torch.mul(v, -eta, out=grad), state
 
-    return Rule(init, update)
+    return Rule(init, pure(update_), update_=update_)
 
 
 _heavy_ball = momentum
