@@ -248,6 +248,9 @@ def run_server(
         if arrival is not None:
             last = now
             server.accept(arrival)
+            recycle = getattr(mailbox, "recycle", None)
+            if recycle is not None and not server.holds(arrival.grad):
+                recycle(arrival.grad)  # no allocation per receive: its buffer takes the next gradient
         elif flush_at is not None and now >= flush_at:
             server.expire(server.version)
         elif flush_at is None and policy.deadline is not None and now - last >= policy.deadline:

@@ -146,6 +146,14 @@ class Server:
         self._advance()
         return True
 
+    def holds(self, grad: Flat | None) -> bool:
+        """Whether the server still keeps `grad` (buffered for a later update, or B-FASGD's last gradient of a
+        worker): if not, the runtime may reuse its buffer for the next receive."""
+        return grad is not None and (
+            any(a.grad is grad for batch in self.pending.values() for a in batch)
+            or any(g is grad for g in self._last.values())
+        )
+
     def collecting(self) -> bool:
         """Whether the policy's collection timeout should be running for the current update: a stream with a
         gradient waiting, or a round that has its `quorum` but not yet every worker (003_... tau1)."""

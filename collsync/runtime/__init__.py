@@ -28,7 +28,9 @@ class Mailbox(Protocol):
         ...
 
     def recv(self, timeout: float | None = None) -> Arrival | None:
-        """The next gradient, or None if none came within `timeout` seconds."""
+        """The next gradient, or None if none came within `timeout` seconds. A mailbox may also offer
+        `recycle(grad)`: `run_server` hands back each gradient the server no longer holds, and its buffer takes a
+        later receive (so whoever keeps an arrival past `Server.accept` keeps a copy)."""
         ...
 
     def publish(self, params: Flat, stamp: Stamp) -> None:

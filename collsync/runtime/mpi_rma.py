@@ -145,6 +145,7 @@ class WindowMailbox(Windows):
         self._seq = 0
         self._next = 0
         self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
+        self._spare: list[torch.Tensor] = []  # server: receive buffers handed back by `recycle`
         self._sent = False  # worker: a push whose slot the server has not freed yet
         self._backoff = Backoff()
         # Worker: give up once the server has shown no sign of life (no publish, our push not taken) for this long.
@@ -306,7 +307,7 @@ class WindowMailbox(Windows):
             return None
         grad = None
         if full == 1:
-            grad = torch.empty(self.numel, dtype=self.dtype)
+            grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
             target = (w * self.numel, self.numel, self._mpi_t)
             self.win_slots.Get([grad.numpy(), self._mpi_t], self.server, target=target)
             self.win_slots.Flush(self.server)
@@ -316,6 +317,12 @@ class WindowMailbox(Windows):
         else:
             self._store(slot, 0)
         return Arrival(w, version, grad, clock)
+
+    def recycle(self, grad: Flat | None) -> None:
+        """Server: a received gradient the server no longer holds (`Server.holds`): its buffer takes the next
+        receive instead of a fresh allocation. Two are kept: one in use and one being filled."""
+        if grad is not None and len(self._spare) < 2 and grad.numel() == self.numel and grad.dtype == self.dtype:
+            self._spare.append(grad)
 
     def _release(self) -> None:
         """Free the slots taken since the last publish or recv: the server has dealt with those gradients (and

@@ -1,13 +1,15 @@
-"""The in-place `Rule.update_` the server uses on its own buffer: bit for bit the pure `update`, which leaves its
-inputs alone; a server stepping in place ends where one stepping purely does."""
+"""The server's hot path allocates nothing: the in-place `Rule.update_` it runs on its own buffer is bit for bit the
+pure `update` (which leaves its inputs alone), a server stepping in place ends where one stepping purely does, and
+`Server.holds` says when a received gradient's buffer may take the next receive."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from collsync.policy import asynchronous, bsp
+from collsync.policy import asynchronous, bsp, ssp
 from collsync.rules.base import Rule, chain
+from collsync.rules.fasgd import fasgd
 from collsync.rules.optim import momentum, nesterov, sgd
 from collsync.server import Server
 from collsync.types import Arrival, Context
@@ -63,6 +65,29 @@ def test_a_server_stepping_in_place_ends_where_a_pure_one_does(name, policy):
     assert torch.equal(servers[0].params, servers[1].params)
     for a, b in zip(_tensors(servers[0].opt_state), _tensors(servers[1].opt_state), strict=True):
         assert torch.equal(a, b)
+
+
+def test_holds_a_gradient_only_while_an_update_still_needs_it():
+    params = torch.zeros(4)
+    server = Server(params, sgd(lr=0.1), bsp(), 2)
+    g0, g1 = torch.ones(4), torch.ones(4)
+    server.accept(Arrival(0, 0, g0, 0))
+    assert server.holds(g0)  # buffered until the round is complete
+    server.accept(Arrival(1, 0, g1, 0))
+    assert server.version == 1 and not server.holds(g0) and not server.holds(g1)
+    assert not server.holds(None)
+    lead = Server(params, sgd(lr=0.1), ssp(max_lead=2), 2)
+    ahead = torch.ones(4)
+    lead.accept(Arrival(0, 0, torch.ones(4), 0))
+    lead.accept(Arrival(0, 0, ahead, 1))  # worker 0 one round ahead: kept for round 1
+    assert lead.holds(ahead)
+
+
+def test_holds_the_last_gradient_bfasgd_reapplies():
+    server = Server(torch.zeros(4), fasgd(lr=0.1), asynchronous(c_push=1.0, c_fetch=1.0), 2)
+    g = torch.ones(4)
+    server.accept(Arrival(0, 0, g, 0))
+    assert server.version == 1 and server.holds(g)  # re-applied when worker 0 skips its next push
 
 
 def _tensors(state: object) -> list[torch.Tensor]:
