@@ -15,9 +15,10 @@ completed with `Flush`: on MPICH a per-operation `Lock` waits until the target e
 * read (worker): first wait until the server freed the slot of this worker's last push (read your own writes);
   poll (seq, version, done) until `ready`; Get params; re-read seq; retry if seq was odd or moved: a seqlock, so a
   worker never keeps a torn mix of two versions.
-* send (worker): wait for its slot's `full` = 0; Put gradient; Put (version, clock); Flush; then `full` <- 1. The
-  Flush before the flag is what guarantees the server never sees the flag before the data.
-* recv (server): round-robin over slots from the last one served (fairness); full = 1 -> Get header and gradient.
+* send (worker): wait for its slot's `full` = 0; Put gradient; (version, clock) by one `Accumulate(REPLACE)`; one
+  Flush for both; then `full` <- 1. The Flush before the flag is what guarantees the server never sees the flag
+  before the data; two round trips in all (each, off shared memory, waits for the server to enter MPI).
+* recv (server): round-robin over slots from the last one served (fairness); full = 1 -> Get gradient and header, one Flush.
   `full` <- 0 only once the server has dealt with it: at the next publish or recv. So when a worker sees its slot
   free, any version its gradient produced is published, and its next read includes its own push, as when a
   parameter server answers a push with the new parameters (001_... Alg. 1-2) and as in the simulator.
@@ -142,6 +143,7 @@ class WindowMailbox(Windows):
         self._res = np.zeros(1, dtype=np.int64)
         self._zeros4 = np.zeros(_HDR, dtype=np.int64)
         self._hdr = np.zeros(_HDR, dtype=np.int64)
+        self._pair = np.zeros(2, dtype=np.int64)  # a slot's (version, clock)
         self._seq = 0
         self._next = 0
         self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
@@ -272,10 +274,15 @@ class WindowMailbox(Windows):
             grad = arrival.grad.detach().to(self.dtype).contiguous().numpy()
             target = (self.worker * self.numel, self.numel, self._mpi_t)
             self.win_slots.Put([grad, self._mpi_t], self.server, target=target)
-            self.win_slots.Flush(self.server)
             self.bytes_pushed += grad.nbytes
-        self._store(slot + 1, arrival.version)
-        self._store(slot + 2, arrival.clock)
+        # (version, clock) in one atomic-per-word write, and one Flush for it and the gradient together: each Flush
+        # is a round trip, and off shared memory (between nodes) one that waits for the server to enter MPI.
+        self._pair[:] = (arrival.version, arrival.clock)
+        self.win_ctrl.Accumulate(
+            [self._pair, self.MPI.INT64_T], self.server, target=(slot + 1, 2, self.MPI.INT64_T), op=self.MPI.REPLACE
+        )
+        self.win_slots.Flush(self.server)
+        self.win_ctrl.Flush(self.server)
         # Last: the data and header are complete at the target before the flag says so. 2 = header only.
         self._store(slot, 1 if arrival.grad is not None else 2)
         self._sent = True
@@ -310,8 +317,13 @@ class WindowMailbox(Windows):
             grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
             target = (w * self.numel, self.numel, self._mpi_t)
             self.win_slots.Get([grad.numpy(), self._mpi_t], self.server, target=target)
-            self.win_slots.Flush(self.server)
-        version, clock = self._load(slot + 1), self._load(slot + 2)
+        zeros = self._zeros4[:2]
+        self.win_ctrl.Get_accumulate(
+            zeros, self._pair, self.server, target=(slot + 1, 2, self.MPI.INT64_T), op=self.MPI.NO_OP
+        )
+        self.win_slots.Flush(self.server)
+        self.win_ctrl.Flush(self.server)
+        version, clock = int(self._pair[0]), int(self._pair[1])
         if defer:
             self._taken.append(w)
         else:
