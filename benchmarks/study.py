@@ -493,6 +493,39 @@ def _recipe_penalty_sweeps() -> list[list[str]]:
     ]
 
 
+def _c4_long(steps: int, stragglers: str) -> list[str]:
+    """App. C.4's recipe over `steps` updates, its schedule scaled with the run: lr x 0.1 at 50% and 75%, warm-up over
+    3% (`experiment=barkai_c4` states them in updates)."""
+    return [
+        "sync=async",
+        "runtime=sim",
+        "experiment=barkai_c4",
+        f"steps={steps}",
+        f"optimizer.milestones=[{steps // 2},{steps * 3 // 4}]",
+        f"warmup_updates={round(steps * 0.03)}",
+        f"eval_every={steps // 12}",
+        f"stragglers={stragglers}",
+        _seeds(),
+    ]
+
+
+def _recipe_penalty_long_sweeps(steps: int, stragglers: str, workers: str, lrs: tuple[str, ...]) -> list[list[str]]:
+    """001_... Fig. 2 / Table 4 (and App. D.2 with heterogeneous workers) with App. C.4's recipe at the paper's worker
+    counts and `steps` updates: SA (tau = max(staleness, 1); `boxes` moved SA by less than one standard deviation in
+    the 400-update study), GA and DANA-GA, one lr of the grid per pass so that the first pass (the lr every method
+    preferred at 32 workers in 400 updates) is complete on its own; the single worker at C.4's lr as the baseline."""
+    common = _c4_long(steps, stragglers)
+    sweeps = [[*common, "method=nag_asgd", "runtime.workers=1", "optimizer.lr=0.1"]]
+    for lr in lrs:
+        w = [*_C4_DECAY_IN_PENALTY, f"runtime.workers={workers}", f"optimizer.lr={lr}"]
+        sweeps += [
+            [*common, "method=sa", "optimizer=nesterov", *w],
+            [*common, "method=ga", *w],
+            [*common, "method=dana_ga", *w],
+        ]
+    return sweeps
+
+
 def _recipe_backup_sweeps() -> list[list[str]]:
     """000_... Fig. 3-6 with App. A's recipe at 8 heterogeneous workers: RMSProp, EMA evaluation, lr gamma_0 for
     async and gamma_0 x N for sync with N = 7 of 8 gradients per step (b = 1; warm-up from about gamma_0 over 10
@@ -523,6 +556,15 @@ def _recipe_fasgd_sweeps() -> list[list[str]]:
     # at alpha 3 (1 / v ~ 3e-4 per parameter, about the gradients' spread), so the grid above never trained.
     sweeps.append([*common, "runtime.workers=4,16", _seeds(), "method=fasgd", "optimizer.lr=300"])
     return sweeps
+
+
+def _recipe_fasgd_long_sweeps() -> list[list[str]]:
+    """002_... Fig. 2 with its conventions at 4 homogeneous workers for 6x the updates of fasgd_recipe (where SASGD's
+    best was 0.745 error after 400): SASGD's lr in {0.1, 0.3} first, then FASGD's alpha in {30, 100}, between the
+    400-update grid's 10 (at chance) and 300 (diverging)."""
+    common = ["sync=async", "runtime=sim", "experiment=odena_fasgd", "steps=2400", "eval_every=200"]
+    common += ["stragglers=gamma_homogeneous", "runtime.workers=4", _seeds()]
+    return [[*common, "method=sasgd", "optimizer.lr=0.1,0.3"], [*common, "method=fasgd", "optimizer.lr=30,100"]]
 
 
 def _tuned(rows: str, lr: str, value: str) -> Callable[[list[dict[str, Any]], Path], list[str]]:
@@ -631,6 +673,10 @@ PAPER_PENALTIES_RECIPE = (
     "does not show through the seeds' spread. **tau**: dividing by staleness + 1 (the algorithm boxes) instead "
     "of max(staleness, 1) changes SA by less than one standard deviation at both worker counts."
 )
+
+PAPER_PENALTIES_RECIPE_LONG = "(verdicts pending)"
+PAPER_PENALTIES_RECIPE_HETERO = "(verdicts pending)"
+PAPER_FASGD_RECIPE_LONG = "(verdicts pending)"
 
 PAPER_BACKUP_RECIPE = (
     "**Recipe** (`experiment=chen_sync`, 000_... App. A): RMSProp (decay 0.9, momentum 0.9, eps 1), evaluation "
@@ -802,6 +848,33 @@ STUDIES: dict[str, Study] = {
         quick=_QUICK,
         plots=_tuned("method,penalty.tau", "optimizer.lr", "final_error"),
     ),
+    "penalties_recipe_long": Study(
+        title="SA vs GA vs DANA-GA with 001_... App. C.4's recipe, 1,200 updates, 4-48 homogeneous workers",
+        sweeps=_recipe_penalty_long_sweeps(1200, "gamma_homogeneous", "4,8,16,32,48", ("0.1", "0.03")),
+        rows="method,optimizer.lr",
+        cols="runtime.workers",
+        values=("final_error", "ema_error", "staleness_mean", "gap_mean"),
+        paper=PAPER_PENALTIES_RECIPE_LONG,
+        intro="001_... App. C.4's recipe (`experiment=barkai_c4`) at the paper's worker counts and 3x the updates of "
+        "[penalties_recipe](../penalties_recipe/README.md) (400 updates, 8 and 32 workers, kept as it was). "
+        "Verdicts: the end of this page and [the overview](../README.md).",
+        quick=_QUICK,
+        plots=_tuned("method", "optimizer.lr", "final_error"),
+    ),
+    "penalties_recipe_heterogeneous": Study(
+        title="SA vs GA vs DANA-GA with 001_... App. C.4's recipe, 1,200 updates, heterogeneous workers (App. D.2)",
+        sweeps=_recipe_penalty_long_sweeps(1200, "gamma_heterogeneous", "8,32", ("0.1",)),
+        rows="method,optimizer.lr",
+        cols="runtime.workers",
+        values=("final_error", "ema_error", "staleness_mean", "gap_mean"),
+        paper=PAPER_PENALTIES_RECIPE_HETERO,
+        intro="001_... App. C.4's recipe (`experiment=barkai_c4`) with the heterogeneous workers of App. D.2 "
+        "(`stragglers=gamma_heterogeneous`, as in [penalties_heterogeneous](../penalties_heterogeneous/README.md)); "
+        "the homogeneous runs: [penalties_recipe_long](../penalties_recipe_long/README.md). Verdicts: the end of this "
+        "page and [the overview](../README.md).",
+        quick=_QUICK,
+        plots=_tuned("method", "optimizer.lr", "final_error"),
+    ),
     "backup_vs_async_recipe": Study(
         title="Backup workers vs async with 000_... App. A's recipe (RMSProp, lr x N, EMA), CNN on shifted digits",
         sweeps=_recipe_backup_sweeps(),
@@ -824,6 +897,19 @@ STUDIES: dict[str, Study] = {
         paper=PAPER_FASGD_RECIPE,
         intro="002_...'s conventions (`experiment=odena_fasgd`), scaled down; the plain-recipe runs: "
         "[fasgd_growing_workers](../fasgd_growing_workers/README.md). Verdict: the end of this page and "
+        "[the overview](../README.md).",
+        quick=_QUICK,
+        plots=_tuned("method", "optimizer.lr", "final_error"),
+    ),
+    "fasgd_recipe_long": Study(
+        title="FASGD vs SASGD with 002_...'s conventions, 2,400 updates, 4 homogeneous workers, CNN on shifted digits",
+        sweeps=_recipe_fasgd_long_sweeps(),
+        rows="method,optimizer.lr",
+        cols="runtime.workers",
+        values=("final_error", "ema_error", "staleness_mean"),
+        paper=PAPER_FASGD_RECIPE_LONG,
+        intro="002_...'s conventions (`experiment=odena_fasgd`) for 6x the updates of "
+        "[fasgd_recipe](../fasgd_recipe/README.md) (400 updates, kept as it was). Verdict: the end of this page and "
         "[the overview](../README.md).",
         quick=_QUICK,
         plots=_tuned("method", "optimizer.lr", "final_error"),
