@@ -150,6 +150,8 @@ class PartialAllreduce(Windows):
         self.numel, self.dtype, self.depth, self.host, self.timeout = numel, dtype, depth, host, timeout
         self.size, self.rank = size, rank
         self.round = 0  # the next round this rank reads
+        self._sum: Flat | None = None  # the combining rank's buffers (see `_combine`)
+        self._part: Flat | None = None
         self._who = rank_prefix(comm)
         self._hosts: list[str] = comm.allgather(socket.gethostname())  # so a timeout names a late rank's host
         self._np = np.float32 if dtype == torch.float32 else np.float64
@@ -307,17 +309,25 @@ class PartialAllreduce(Windows):
                 f"round {round_} combines, but fewer than {quorum=} ranks have posted their data" + self._late(round_)
             ),
         )
-        parts = torch.empty(quorum, self.numel, dtype=self.dtype)
+        # Two buffers kept from round to round (a fresh quorum x numel block per round cost more than its sum), and
+        # the contributions added as they come: the same additions in the same rank order as summing them at the end.
+        if self._sum is None:
+            self._sum = torch.empty(self.numel, dtype=self.dtype)
+            self._part = torch.empty(self.numel, dtype=self.dtype)
+        mean, part = self._sum, self._part
+        assert part is not None
         for i, r in enumerate(ranks):
             if r == self.rank:
-                parts[i] = own
+                src = own if own.dtype == self.dtype else part.copy_(own)  # added as the window's dtype, as others
             else:
                 target = (r * self.numel, self.numel, self._mpi_t)
-                self.win_slots.Get([parts[i].numpy(), self._mpi_t], self.host, target=target)
-        self.win_slots.Flush(self.host)
-        mean = parts[0].clone()
-        for i in range(1, quorum):
-            mean.add_(parts[i])
+                self.win_slots.Get([part.numpy(), self._mpi_t], self.host, target=target)
+                self.win_slots.Flush(self.host)
+                src = part
+            if i == 0:
+                mean.copy_(src)
+            else:
+                mean.add_(src)
         mean.div_(quorum)
         self._publish(mean, quorum, ranks, round_)
 
