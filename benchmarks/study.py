@@ -908,15 +908,17 @@ STUDIES: dict[str, Study] = {
         quick=["seed=0"],
     ),
     "penalties_recipe": Study(
-        title="SA vs GA vs DANA-GA with 001_... App. C.4's recipe, CNN on shifted digits, 8 and 32 homogeneous workers",
+        title="SA vs GA vs DANA-GA with 001_... App. C.4's recipe, 400 updates, 8 and 32 homogeneous workers",
         sweeps=_recipe_penalty_sweeps(),
         rows="method,penalty.tau,optimizer.lr",
         cols="runtime.workers",
         values=("final_error", "ema_error", "staleness_mean", "gap_mean"),
         paper=PAPER_PENALTIES_RECIPE,
         intro="001_... App. C.4's recipe (`experiment=barkai_c4`), scaled down; the plain-recipe runs: "
-        "[penalties_homogeneous](../penalties_homogeneous/README.md). Verdicts: the end of this page and "
-        "[the overview](../README.md).",
+        "[penalties_homogeneous](../penalties_homogeneous/README.md). The 400-update runs, kept as they were; 1,200 "
+        "updates at 4-48 workers: [penalties_recipe_long](../penalties_recipe_long/README.md), heterogeneous workers: "
+        "[penalties_recipe_heterogeneous](../penalties_recipe_heterogeneous/README.md). Verdicts: the end of this "
+        "page and [the overview](../README.md).",
         quick=_QUICK,
         plots=_tuned("method,penalty.tau", "optimizer.lr", "final_error"),
     ),
@@ -955,7 +957,8 @@ STUDIES: dict[str, Study] = {
         values=("time_to_acc:0.8", "time_to_ema_acc:0.8", "time_to_acc:0.5", "final_error", "ema_error"),
         paper=PAPER_BACKUP_RECIPE,
         intro="000_... App. A's recipe (`experiment=chen_sync`), scaled down; the plain-recipe runs: "
-        "[backup_vs_async](../backup_vs_async/README.md). Verdict: the end of this page and "
+        "[backup_vs_async](../backup_vs_async/README.md); b = 2: [backup_vs_async_recipe_b2]"
+        "(../backup_vs_async_recipe_b2/README.md). Verdict: the end of this page and "
         "[the overview](../README.md).",
         quick=["seed=0"],
         plots=_backup_recipe_curves,
@@ -980,7 +983,8 @@ STUDIES: dict[str, Study] = {
         values=("final_error", "staleness_mean"),
         paper=PAPER_FASGD_RECIPE,
         intro="002_...'s conventions (`experiment=odena_fasgd`), scaled down; the plain-recipe runs: "
-        "[fasgd_growing_workers](../fasgd_growing_workers/README.md). Verdict: the end of this page and "
+        "[fasgd_growing_workers](../fasgd_growing_workers/README.md). The 400-update runs, kept as they were; 2,400 "
+        "updates: [fasgd_recipe_long](../fasgd_recipe_long/README.md). Verdict: the end of this page and "
         "[the overview](../README.md).",
         quick=_QUICK,
         plots=_tuned("method", "optimizer.lr", "final_error"),
