@@ -243,7 +243,9 @@ class Server:
         """Apply an already averaged gradient (serverless allreduce: every rank's replica does this)."""
         for a in batch:
             self._note("push", worker=a.worker, clock=a.clock, version=a.version, staleness=self.version - a.version)
-        self._step(self._owned(mean), sorted(batch, key=lambda a: (a.worker, a.clock)))
+        # Copied only for an in-place optimizer; a pure one reads `mean` and leaves it alone.
+        owned = mean if self.optimizer.update_ is None else self._owned(mean)
+        self._step(owned, sorted(batch, key=lambda a: (a.worker, a.clock)))
 
     def _owned(self, g: Flat) -> Flat:
         """`g` copied into the server's own buffer, which the optimizer's in-place `update_` may then overwrite

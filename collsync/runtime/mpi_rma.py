@@ -18,10 +18,11 @@ completed with `Flush`: on MPICH a per-operation `Lock` waits until the target e
 * send (worker): wait for its slot's `full` = 0; Put gradient; (version, clock) by one `Accumulate(REPLACE)`; one
   Flush for both; then `full` <- 1. The Flush before the flag is what guarantees the server never sees the flag
   before the data; two round trips in all (each, off shared memory, waits for the server to enter MPI).
-* recv (server): round-robin over slots from the last one served (fairness); full = 1 -> Get gradient and header, one Flush.
-  `full` <- 0 only once the server has dealt with it: at the next publish or recv. So when a worker sees its slot
-  free, any version its gradient produced is published, and its next read includes its own push, as when a
-  parameter server answers a push with the new parameters (001_... Alg. 1-2) and as in the simulator.
+* recv (server): round-robin over slots from the last one served (fairness); full = 1 -> Get gradient and
+  header under one Flush. `full` <- 0 only once the server has dealt with it: at the next publish or recv. So
+  when a worker sees its slot free, any version its gradient produced is published, and its next read includes
+  its own push, as when a parameter server answers a push with the new parameters (001_... Alg. 1-2) and as in
+  the simulator.
 * close (server): after the final publish (done), wait until every worker set `finished`; gradients still in slots
   are returned so the server can drop them (every push is applied or dropped exactly once).
 """
