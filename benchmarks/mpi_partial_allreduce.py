@@ -5,10 +5,11 @@
 
 Baseline: mpi4py `Allreduce` in place on a float32 numpy buffer, then the division by n (the mean every replica
 applies). Partial: `PartialAllreduce.__call__(grad, quorum=n, round=t)` (`collsync/runtime/mpi_partial.py`): a
-ticket, a Put of the contribution to the host's window, the last arrival sums the n slots in rank order and
-publishes the mean, every rank Gets it. Also timed: quorum n - 1 (one backup, the fastest n - 1 counted), for
-scale. Each rep starts with a `Barrier` so both sides start from ranks in step; the time is the slowest rank's.
-Correctness: the partial mean equals the allreduce mean to float32 rounding (a sum in another order).
+ticket, a Put of the contribution to the host's window; once all are in, each rank sums one 1/n block of the n
+slots in rank order and publishes it, and every rank Gets the whole mean. Also timed: quorum n - 1 (one backup,
+the fastest n - 1 counted), for scale. Each rep starts with a `Barrier` so both sides start from ranks in step;
+the time is the slowest rank's. Correctness: the partial mean equals the allreduce mean to float32 rounding (a sum
+in another order).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Windows, all hosted by rank `host` (the others expose zero bytes); `depth` round
 
     slots  float[n * numel]       one contribution slot per rank (holds that rank's latest counted contribution)
     ring   float[depth * numel]   the mean of round t in entry t % depth
-    ctrl   int64[depth * (4 + n) + 2 * n]
-           per ring entry: [tickets, tag, quorum, count, ranks[n]]   (ranks: the sorted contributors, -1 padded)
+    ctrl   int64[depth * (5 + n) + 2 * n]
+           per ring entry: [tickets, tag, blocks, quorum, count, ranks[n]]   (ranks: the sorted contributors, -1
+           padded; blocks: how many of the round's blocks are summed)
            then posted[n] (the round whose contribution sits in rank r's slot), read[n] (rounds rank r has read)
 
 Every access, the host's to its own memory included, is an RMA call inside one `Lock_all` epoch completed with
@@ -25,10 +26,15 @@ is never read half-written. One round t at rank r:
    exactly one ticket per round, and the gate orders rounds t - depth and t), it is r's arrival order in round t.
 3. ticket < quorum: Put the contribution into slot r, Flush, then posted[r] <- t. The Flush before the flag is what
    guarantees nobody sees the flag before the data.
-4. ticket = quorum - 1 (the last counted arrival) combines: waits until `quorum` ranks posted round t, Gets their
-   slots, sums them in rank order (so the bits do not depend on arrival order) and divides by `quorum`; writes
-   tag <- "writing t", the mean and the record (quorum, count, ranks), Flush, then tag <- t.
-5. everyone reads: wait for tag = t; Get record and mean; Flush; re-read tag (a seqlock). If the tag moved, the
+4. ticket = quorum - 1 (the last counted arrival) closes the round: waits until `quorum` ranks posted round t,
+   writes the record (blocks <- 0, quorum, count, ranks), Flush, then tag <- "summing t".
+5. each contributor, on seeing "summing t", sums its block: the vector is cut into `quorum` blocks, and the i-th
+   contributor (in rank order) Gets block i of every counted slot, adds them in rank order (so the bits depend
+   neither on arrival order nor on the cut: each element is the same additions as one rank summing it all),
+   divides by `quorum`, Puts it into the ring, Flush, then `blocks += 1`; whoever makes it `quorum` sets tag <- t.
+   The sum is spread over the contributors as `MPI_Allreduce`'s reduce-scatter spreads it, instead of one rank
+   copying 2 * quorum vectors while the others wait.
+6. everyone reads: wait for tag = t; Get record and mean; Flush; re-read tag (a seqlock). If the tag moved, the
    entry was reused while being read: a `RuntimeError`, never a silently torn mean. Then read[r] <- t + 1.
 
 Each rank reads every round's mean exactly once and in order, so replicas that apply the means stay bit-identical.
@@ -70,27 +76,36 @@ from collsync.types import Flat
 T = TypeVar("T")
 
 _EMPTY = -1  # the tag of a ring entry no round has used yet
-_ENTRY_HEAD = 4  # tickets, tag, quorum, count (then ranks[n])
+_ENTRY_HEAD = 5  # tickets, tag, blocks, quorum, count (then ranks[n])
 
-PENDING, READY, OVERWRITTEN = "pending", "ready", "overwritten"
+PENDING, SUMMING, READY, OVERWRITTEN = "pending", "summing", "ready", "overwritten"
 
 
 # -- pure helpers (no MPI): the encodings the protocol relies on ----------------------------------------------------
 def writing_tag(round_: int) -> int:
-    """The tag of an entry whose mean for `round_` is being written: negative, distinct from `_EMPTY`."""
+    """The tag of an entry whose mean for `round_` is being summed (its contributors known, each summing a block):
+    negative, distinct from `_EMPTY`."""
     return -2 - round_
 
 
 def tag_state(tag: int, round_: int) -> str:
-    """What an entry's tag says to a reader of `round_`: PENDING (not yet complete), READY, or OVERWRITTEN (the
-    entry has moved on to a later round: the mean of `round_` is gone)."""
+    """What an entry's tag says to a reader of `round_`: PENDING (its quorum not yet in), SUMMING (the contributors
+    are summing their blocks), READY, or OVERWRITTEN (the entry has moved on to a later round: the mean is gone)."""
     if tag == _EMPTY:
         return PENDING
     complete = tag >= 0
     holds = tag if complete else -2 - tag
     if holds > round_:
         return OVERWRITTEN
-    return READY if holds == round_ and complete else PENDING
+    if holds < round_:
+        return PENDING
+    return READY if complete else SUMMING
+
+
+def block(index: int, parts: int, numel: int) -> tuple[int, int]:
+    """[start, stop) of block `index` of `parts` nearly equal contiguous blocks of 0..numel-1 (some empty when
+    numel < parts)."""
+    return index * numel // parts, (index + 1) * numel // parts
 
 
 def arrival_index(ticket: int, round_: int, depth: int, size: int) -> int:
@@ -150,8 +165,7 @@ class PartialAllreduce(Windows):
         self.numel, self.dtype, self.depth, self.host, self.timeout = numel, dtype, depth, host, timeout
         self.size, self.rank = size, rank
         self.round = 0  # the next round this rank reads
-        self._sum: Flat | None = None  # the combining rank's buffers (see `_combine`)
-        self._part: Flat | None = None
+        self._parts: Flat | None = None  # a contributor's block of each counted slot (see `_sum_block`), kept
         self._who = rank_prefix(comm)
         self._hosts: list[str] = comm.allgather(socket.gethostname())  # so a timeout names a late rank's host
         self._np = np.float32 if dtype == torch.float32 else np.float64
@@ -264,11 +278,12 @@ class PartialAllreduce(Windows):
         data = tensor.detach().to(self.dtype).contiguous()
         self._gate(round)
         index = self._ticket(round)
-        if index < quorum:
-            self._post(data, round)
-            if index == quorum - 1:
-                self._combine(data, quorum, round)
-        return self._collect(quorum, round)
+        if index >= quorum:
+            return self._collect(quorum, round, None)
+        self._post(data, round)
+        if index == quorum - 1:
+            self._close(quorum, round)
+        return self._collect(quorum, round, data)
 
     def try_read(self, quorum: int, round: int) -> PartialResult | None:
         """Round `round`'s result if it is already complete (this rank is then among the dropped), else None."""
@@ -282,7 +297,7 @@ class PartialAllreduce(Windows):
                 f"{self._who}: partial allreduce: round {round} was complete but this rank drew arrival {index} < "
                 f"{quorum=}: ranks disagree on the quorum of round {round}"
             )
-        return self._collect(quorum, round)
+        return self._collect(quorum, round, None)
 
     def latest(self) -> int:
         """The highest round whose mean is complete in the ring (-1 if none): for monitoring and tests."""
@@ -301,35 +316,52 @@ class PartialAllreduce(Windows):
         self.win_slots.Flush(self.host)
         self._store(self._posted + self.rank, round_)
 
-    def _combine(self, own: Flat, quorum: int, round_: int) -> None:
-        """Step 4 (the last counted arrival): sum the `quorum` posted contributions in rank order; publish the mean."""
+    def _close(self, quorum: int, round_: int) -> None:
+        """Step 4 (the last counted arrival): once `quorum` ranks posted, record who they are; tag 'summing'."""
         ranks = self._poll(
             lambda: _posted_for(self._load_many(self._posted, self.size), round_, quorum),
             lambda: (
                 f"round {round_} combines, but fewer than {quorum=} ranks have posted their data" + self._late(round_)
             ),
         )
-        # Two buffers kept from round to round (a fresh quorum x numel block per round cost more than its sum), and
-        # the contributions added as they come: the same additions in the same rank order as summing them at the end.
-        if self._sum is None:
-            self._sum = torch.empty(self.numel, dtype=self.dtype)
-            self._part = torch.empty(self.numel, dtype=self.dtype)
-        mean, part = self._sum, self._part
-        assert part is not None
-        for i, r in enumerate(ranks):
-            if r == self.rank:
-                src = own if own.dtype == self.dtype else part.copy_(own)  # added as the window's dtype, as others
-            else:
-                target = (r * self.numel, self.numel, self._mpi_t)
-                self.win_slots.Get([part.numpy(), self._mpi_t], self.host, target=target)
-                self.win_slots.Flush(self.host)
-                src = part
-            if i == 0:
-                mean.copy_(src)
-            else:
-                mean.add_(src)
-        mean.div_(quorum)
-        self._publish(mean, quorum, ranks, round_)
+        entry = self._entry_at(round_)
+        record = np.full(3 + self.size, -1, dtype=np.int64)
+        record[0], record[1], record[2], record[3 : 3 + quorum] = 0, quorum, quorum, ranks
+        self._store_many(entry + 2, record)  # blocks <- 0 (the entry's last round is read by all: the gate)
+        self._store(entry + 1, writing_tag(round_))
+
+    def _sum_block(self, own: Flat, round_: int) -> None:
+        """Step 5: sum this contributor's block of the counted slots in rank order, Put it, count it; the last block
+        done makes the round complete."""
+        entry = self._entry_at(round_)
+        record = self._load_many(entry + 3, 2 + self.size)
+        quorum, ranks = int(record[0]), [int(r) for r in record[2 : 2 + int(record[1])]]
+        if self.rank not in ranks:
+            raise RuntimeError(
+                f"{self._who}: partial allreduce: this rank posted round {round_} but is not among its "
+                f"contributors {ranks}: ranks disagree on the quorum"
+            )
+        lo, hi = block(ranks.index(self.rank), quorum, self.numel)
+        width = hi - lo
+        if width:
+            if self._parts is None or self._parts.numel() < quorum * width:
+                self._parts = torch.empty(quorum * width, dtype=self.dtype)
+            parts = self._parts[: quorum * width].view(quorum, width)
+            for i, r in enumerate(ranks):  # every Get first, one Flush for all
+                if r != self.rank:
+                    target = (r * self.numel + lo, width, self._mpi_t)
+                    self.win_slots.Get([parts[i].numpy(), self._mpi_t], self.host, target=target)
+            self.win_slots.Flush(self.host)
+            parts[ranks.index(self.rank)].copy_(own[lo:hi])
+            mean = parts[0]  # the same additions, in the same order, as one rank summing the whole vector
+            for i in range(1, quorum):
+                mean.add_(parts[i])
+            mean.div_(quorum)
+            target = ((round_ % self.depth) * self.numel + lo, width, self._mpi_t)
+            self.win_ring.Put([mean.numpy(), self._mpi_t], self.host, target=target)
+            self.win_ring.Flush(self.host)
+        if self._fetch(entry + 2, 1, self.MPI.SUM) == quorum - 1:
+            self._store(entry + 1, round_)
 
     def _late(self, round_: int) -> str:
         """'; waiting on rank 2 on node17': the ranks that have not posted `round_`, for a timeout's message."""
@@ -337,37 +369,36 @@ class PartialAllreduce(Windows):
         late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in range(self.size) if int(posted[r]) < round_)
         return f"; waiting on {late}" if late else ""
 
-    def _publish(self, mean: Flat, quorum: int, ranks: list[int], round_: int) -> None:
-        """Seqlock write: tag 'writing', then the mean and record (both flushed), then the tag that says complete."""
-        entry = self._entry_at(round_)
-        self._store(entry + 1, writing_tag(round_))
-        target = ((round_ % self.depth) * self.numel, self.numel, self._mpi_t)
-        self.win_ring.Put([mean.numpy(), self._mpi_t], self.host, target=target)
-        self.win_ring.Flush(self.host)
-        record = np.full(2 + self.size, -1, dtype=np.int64)
-        record[0], record[1], record[2 : 2 + quorum] = quorum, quorum, ranks
-        self._store_many(entry + 2, record)
-        self._store(entry + 1, round_)
-
-    def _collect(self, quorum: int, round_: int) -> PartialResult:
-        """Step 5: wait for the round, read record and mean, re-check the tag (torn reads fail loudly)."""
+    def _collect(self, quorum: int, round_: int, own: Flat | None) -> PartialResult:
+        """Steps 5-6: wait for the round (summing this rank's block on the way if `own`, its contribution, was
+        counted), read record and mean, re-check the tag (torn reads fail loudly)."""
         entry = self._entry_at(round_)
         tag = entry + 1
+        helping = own
 
         def probe() -> bool | None:
+            nonlocal helping
             state = tag_state(self._load(tag), round_)
             if state == OVERWRITTEN:
                 raise RuntimeError(self._overwritten(round_))
+            if state == SUMMING and helping is not None:
+                self._sum_block(helping, round_)
+                helping = None
+                return self._collect_ready(tag, round_)
             return True if state == READY else None
 
         def describe() -> str:
+            state = tag_state(self._load(tag), round_)
+            if state == SUMMING:
+                done = self._load(entry + 2)
+                return f"round {round_} is being summed: {done} of {quorum} blocks done (a contributor stopped?)"
             arrived = arrival_index(self._load(entry), round_, self.depth, self.size)
             return f"round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks arrived, {quorum=}" + self._late(
                 round_
             )
 
         self._poll(probe, describe)
-        record = self._load_many(entry + 2, 2 + self.size)
+        record = self._load_many(entry + 3, 2 + self.size)
         mean = torch.empty(self.numel, dtype=self.dtype)
         target = ((round_ % self.depth) * self.numel, self.numel, self._mpi_t)
         self.win_ring.Get([mean.numpy(), self._mpi_t], self.host, target=target)
@@ -383,6 +414,11 @@ class PartialAllreduce(Windows):
         self._store(self._read + self.rank, round_ + 1)
         self.round = round_ + 1
         return PartialResult(mean, round_, quorum, contributors, dropped)
+
+    def _collect_ready(self, tag: int, round_: int) -> bool | None:
+        """After summing a block: the round may be complete already (this was its last block)."""
+        self._backoff.reset()  # the others' blocks are as fast as this one: poll promptly again
+        return True if tag_state(self._load(tag), round_) == READY else None
 
     def _overwritten(self, round_: int) -> str:
         return (

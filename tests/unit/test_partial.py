@@ -14,9 +14,11 @@ from collsync.runtime.mpi_partial import (
     OVERWRITTEN,
     PENDING,
     READY,
+    SUMMING,
     PartialResult,
     _posted_for,
     arrival_index,
+    block,
     check_call,
     lagging,
     split,
@@ -31,7 +33,7 @@ from collsync.trace import Trace
     ("tag", "round_", "state"),
     [
         (-1, 0, PENDING),  # entry never used
-        (writing_tag(5), 5, PENDING),  # this round being written
+        (writing_tag(5), 5, SUMMING),  # this round's blocks being summed
         (2, 5, PENDING),  # the entry still holds an earlier round (5 - depth 3)
         (writing_tag(2), 5, PENDING),
         (5, 5, READY),
@@ -52,6 +54,15 @@ def test_arrival_index_subtracts_the_earlier_rounds_of_the_entry():
     assert arrival_index(8, 7, 3, 4) == 0
     assert arrival_index(11, 7, 3, 4) == 3
     assert arrival_index(0, 2, 3, 4) == 0
+
+
+@pytest.mark.parametrize(("numel", "parts"), [(10, 3), (3, 4), (1, 1), (1_000_003, 7), (0, 2)])
+def test_blocks_tile_the_vector_in_order_and_differ_by_at_most_one(numel, parts):
+    blocks = [block(i, parts, numel) for i in range(parts)]
+    assert blocks[0][0] == 0 and blocks[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))  # contiguous, no gap, no overlap
+    widths = [hi - lo for lo, hi in blocks]
+    assert max(widths) - min(widths) <= 1 and min(widths) >= 0
 
 
 def test_split_and_lagging():
