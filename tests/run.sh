@@ -16,8 +16,10 @@ export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 echo "== unit and simulator tests (in-process, no launcher, no clock: two pytest-xdist workers, one per core)"
 "$PY" -m pytest tests/unit tests/sim -q -rs -n 2 --durations=10
 
-echo "== CLI and launch tests (one at a time: each launches its own ranks, and the fault tests wait on deadlines)"
-"$PY" -m pytest tests/integration -q -rs --durations=25
+echo "== CLI and launch tests, two at a time (pytest-xdist, a test file to a worker: files share their launches)"
+"$PY" -m pytest tests/integration -m "not serial" -q -rs -n 2 --dist loadfile --durations=15
+echo "== CLI and launch tests that stop ranks, wait on deadlines or count aborts (one at a time)"
+"$PY" -m pytest tests/integration -m serial -q -rs --durations=10
 
 for n in 1 4; do
     echo "== MPI tests at -n $n ($MPIEXEC)"

@@ -11,10 +11,11 @@ Windows, all hosted by rank `host` (the others expose zero bytes); `depth` round
 
     slots  float[n * numel]       one contribution slot per rank (holds that rank's latest counted contribution)
     ring   float[depth * numel]   the mean of round t in entry t % depth
-    ctrl   int64[depth * (5 + n) + 2 * n]
+    ctrl   int64[depth * (5 + n) + 3 * n]
            per ring entry: [tickets, tag, blocks, quorum, count, ranks[n]]   (ranks: the sorted contributors, -1
            padded; blocks: how many of the round's blocks are summed)
-           then posted[n] (the round whose contribution sits in rank r's slot), read[n] (rounds rank r has read)
+           then posted[n] (the round whose contribution sits in rank r's slot), read[n] (rounds rank r has read),
+           summed[n] (the last round whose block rank r summed: a timeout names a contributor that stopped)
 
 Every access, the host's to its own memory included, is an RMA call inside one `Lock_all` epoch completed with
 `Flush` (on MPICH a per-operation `Lock` waits until the target enters MPI; `Lock_all` + `Flush` does not). Control
@@ -31,7 +32,8 @@ is never read half-written. One round t at rank r:
 5. each contributor, on seeing "summing t", sums its block: the vector is cut into `quorum` blocks, and the i-th
    contributor (in rank order) Gets block i of every counted slot, adds them in rank order (so the bits depend
    neither on arrival order nor on the cut: each element is the same additions as one rank summing it all),
-   divides by `quorum`, Puts it into the ring, Flush, then `blocks += 1`; whoever makes it `quorum` sets tag <- t.
+   divides by `quorum`, Puts it into the ring, Flush, then summed[r] <- t and `blocks += 1`; whoever makes it
+   `quorum` sets tag <- t.
    The sum is spread over the contributors as `MPI_Allreduce`'s reduce-scatter spreads it, instead of one rank
    copying 2 * quorum vectors while the others wait.
 6. everyone reads: wait for tag = t; Get record and mean; Flush; re-read tag (a seqlock). If the tag moved, the
@@ -173,6 +175,7 @@ class PartialAllreduce(Windows):
         self._entry = _ENTRY_HEAD + size
         self._posted = depth * self._entry
         self._read = self._posted + size
+        self._summed = self._read + size
         self._wins = self._allocate(rank == host)
         self.win_slots, self.win_ring, self.win_ctrl = self._wins
         self._floor = 0  # a lower bound on every rank's read counter (saves polling the gate)
@@ -184,7 +187,7 @@ class PartialAllreduce(Windows):
     # -- set-up and tear-down --------------------------------------------------------------------------------------
     def _allocate(self, hosting: bool) -> tuple[Any, Any, Any]:
         MPI, item = self.MPI, np.dtype(self._np).itemsize
-        words = self._read + self.size
+        words = self._summed + self.size
         slots = MPI.Win.Allocate(self.size * self.numel * item if hosting else 0, item, comm=self.comm)
         ring = MPI.Win.Allocate(self.depth * self.numel * item if hosting else 0, item, comm=self.comm)
         ctrl = MPI.Win.Allocate(words * 8 if hosting else 0, 8, comm=self.comm)
@@ -196,6 +199,7 @@ class PartialAllreduce(Windows):
             words_[:] = 0
             words_[1 : self._posted : self._entry] = _EMPTY  # every entry's tag
             words_[self._posted : self._read] = -1  # no rank has posted any round
+            words_[self._summed :] = -1  # nor summed a block of one
         self.comm.Barrier()  # initialised memory is in place before anyone reads it
         for win in (slots, ring, ctrl):
             win.Lock_all()
@@ -360,6 +364,7 @@ class PartialAllreduce(Windows):
             target = ((round_ % self.depth) * self.numel + lo, width, self._mpi_t)
             self.win_ring.Put([mean.numpy(), self._mpi_t], self.host, target=target)
             self.win_ring.Flush(self.host)
+        self._store(self._summed + self.rank, round_)
         if self._fetch(entry + 2, 1, self.MPI.SUM) == quorum - 1:
             self._store(entry + 1, round_)
 
@@ -368,6 +373,14 @@ class PartialAllreduce(Windows):
         posted = self._load_many(self._posted, self.size)
         late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in range(self.size) if int(posted[r]) < round_)
         return f"; waiting on {late}" if late else ""
+
+    def _unsummed(self, round_: int) -> str:
+        """'; waiting on rank 2 on node17 (its block)': the contributors of `round_` whose block is not summed."""
+        record = self._load_many(self._entry_at(round_) + 3, 2 + self.size)
+        summed = self._load_many(self._summed, self.size)
+        ranks = [int(r) for r in record[2 : 2 + int(record[1])]]
+        late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in ranks if int(summed[r]) < round_)
+        return f"; waiting on {late} (its block of the sum)" if late else ""
 
     def _collect(self, quorum: int, round_: int, own: Flat | None) -> PartialResult:
         """Steps 5-6: wait for the round (summing this rank's block on the way if `own`, its contribution, was
@@ -391,7 +404,7 @@ class PartialAllreduce(Windows):
             state = tag_state(self._load(tag), round_)
             if state == SUMMING:
                 done = self._load(entry + 2)
-                return f"round {round_} is being summed: {done} of {quorum} blocks done (a contributor stopped?)"
+                return f"round {round_} is being summed: {done} of {quorum} blocks done" + self._unsummed(round_)
             arrived = arrival_index(self._load(entry), round_, self.depth, self.size)
             return f"round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks arrived, {quorum=}" + self._late(
                 round_

@@ -21,6 +21,7 @@ from collsync import checkpoint
 from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids, case_summary, command, launch_runs
 
 pytestmark = [
+    pytest.mark.serial,
     pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)"),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a rank's process through /proc"),
 ]

@@ -165,6 +165,7 @@ def frozen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.C
     return tmp_path, launch_runs(tmp_path, 4, {c: ["steps=120", *o, *FROZEN] for c, o in FROZEN_AT.items()})
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("case", list(FROZEN_AT))
 def test_a_frozen_worker_does_not_stop_training(frozen, case):
     case_summary(frozen, case)
@@ -218,6 +219,7 @@ def _bar_count(err: list[str]) -> int:
     return int(counts[-1]) if counts else 0
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process through /proc")
 @pytest.mark.parametrize(
     "overrides",
@@ -257,6 +259,7 @@ def test_a_stopped_rank_does_not_stop_training(tmp_path, overrides):
     assert checks["pushed"] == checks["applied"] + checks["dropped"]
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process through /proc")
 @pytest.mark.parametrize(
     ("overrides", "wait"),
