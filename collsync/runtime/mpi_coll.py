@@ -97,14 +97,14 @@ class CommThread:
     def __init__(self, comm: Any, *, blocking: bool | None = None, name: str = "collsync-allreduce") -> None:
         from mpi4py import MPI
 
-        from collsync.runtime.mpi_world import node_size
+        from collsync.runtime.mpi_world import own_cores
 
         if not threads_supported():
             raise RuntimeError("CommThread: MPI was not initialised with MPI_THREAD_MULTIPLE")
         self.MPI = MPI
         self.comm = comm.Dup()
         if blocking is None:
-            blocking = node_size(comm) <= (os.cpu_count() or 1)
+            blocking = own_cores(comm)
         self.blocking = blocking
         self._cv = threading.Condition()
         self._jobs: deque[tuple[Any, Callable[[], None] | None] | None] = deque()

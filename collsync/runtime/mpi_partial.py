@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from collsync.runtime import PartialResult
-from collsync.runtime.mpi_rma import Backoff, Windows
+from collsync.runtime.mpi_rma import Backoff, Windows, poll_cap
 from collsync.types import Flat
 
 T = TypeVar("T")
@@ -182,7 +182,7 @@ class PartialAllreduce(Windows):
         self._one = np.ones(1, dtype=np.int64)
         self._val = np.zeros(1, dtype=np.int64)
         self._res = np.zeros(1, dtype=np.int64)
-        self._backoff = Backoff()
+        self._backoff = Backoff(cap=poll_cap(comm))
 
     # -- set-up and tear-down --------------------------------------------------------------------------------------
     def _allocate(self, hosting: bool) -> tuple[Any, Any, Any]:

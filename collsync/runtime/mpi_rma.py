@@ -51,6 +51,23 @@ def _as_float(bits: int) -> float:
     return float(np.array([bits], dtype=np.int64).view(np.float64)[0])
 
 
+# The longest pause between two polls. Off shared memory (between nodes, or MPICH with MPIR_CVAR_NOLOCAL=1) a
+# one-sided operation completes only once its target enters MPI, so every round trip to a rank that is asleep waits
+# out its pause: a 4 MiB push ran at 0.27-0.31 of a raw Put with 1 ms pauses on the server, 0.61 with 250 us, 0.74
+# with 100 us and 0.86 with 50 us (benchmarks/README.md, "Between nodes"). Where each rank has a core of its own the
+# short pause only spends that rank's own idle core; where ranks outnumber cores a waiting rank must leave the core
+# to the others, and the long one stays.
+POLL_CAP_OWN_CORE = 50e-6
+POLL_CAP_SHARED_CORE = 1e-3
+
+
+def poll_cap(comm: Any) -> float:
+    """The pause cap for ranks of `comm` polling one-sided windows (collective: counts the ranks on the node)."""
+    from collsync.runtime.mpi_world import own_cores
+
+    return POLL_CAP_OWN_CORE if own_cores(comm) else POLL_CAP_SHARED_CORE
+
+
 class Backoff:
     """Spin briefly, then sleep with growing pauses: ranks share cores, and a busy poll would starve a peer."""
 
@@ -150,7 +167,7 @@ class WindowMailbox(Windows):
         self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
         self._spare: list[torch.Tensor] = []  # server: receive buffers handed back by `recycle`
         self._sent = False  # worker: a push whose slot the server has not freed yet
-        self._backoff = Backoff()
+        self._backoff = Backoff(cap=poll_cap(comm))
         # Worker: give up once the server has shown no sign of life (no publish, our push not taken) for this long.
         self.silence: float | None = None
         self._heard = (-1, time.monotonic())  # (the last header seq seen, when it was first seen)

@@ -59,6 +59,13 @@ def node_size(comm: Any) -> int:
     return size
 
 
+def own_cores(comm: Any) -> bool:
+    """Whether every rank of `comm` on this node can have a core of its own (collective): no more ranks here than
+    cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return node_size(comm) <= cores
+
+
 def set_threads(comm: Any, node: int | None = None) -> int:
     """Give each rank an equal share of the node's cores for torch's intra-op threads (no oversubscription).
     `node`: the ranks on this node, if the caller counted them already (`node_size`, collective)."""
