@@ -167,7 +167,8 @@ class WindowMailbox(Windows):
         self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
         self._spare: list[torch.Tensor] = []  # server: receive buffers handed back by `recycle`
         self._sent = False  # worker: a push whose slot the server has not freed yet
-        self._backoff = Backoff(cap=poll_cap(comm))
+        self.poll_cap = poll_cap(comm)  # the longest pause between two polls (seconds)
+        self._backoff = Backoff(cap=self.poll_cap)
         # Worker: give up once the server has shown no sign of life (no publish, our push not taken) for this long.
         self.silence: float | None = None
         self._heard = (-1, time.monotonic())  # (the last header seq seen, when it was first seen)

@@ -79,7 +79,7 @@ class ShardedMailbox:
         self.sent = 0  # gradients this worker has sent (its k-th goes to shard j only if k >= have[j])
         self.have = [0] * len(shards)  # after a resume: how many of this worker's gradients each shard already has
         self._had = [False] * len(shards)  # blocks this worker has received at least once
-        self._backoff = Backoff(cap=shards[0]._backoff.cap)  # the shards' own (they counted the node's ranks)
+        self._backoff = Backoff(cap=shards[0].poll_cap)  # the shards' own (they counted the node's ranks)
 
     def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
         got: dict[int, Stamp] = {}

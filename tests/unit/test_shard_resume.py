@@ -11,9 +11,10 @@ from collsync.types import Arrival
 
 
 class _Shard:
-    """What ShardedMailbox.send needs of a shard mailbox: the worker's index and a `send` (recorded here)."""
+    """What ShardedMailbox.send needs of a shard mailbox: the worker's index, its poll cap and a `send` (recorded)."""
 
     worker = 0
+    poll_cap = 1e-3
 
     def __init__(self) -> None:
         self.got: list[torch.Tensor] = []
