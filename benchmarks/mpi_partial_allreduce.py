@@ -1,15 +1,19 @@
 """The k-of-n partial allreduce at full quorum (k = n, what `sync=bsp` and backup b = 0 reduce through) against
-`MPI_Allreduce` of the same buffer, in one run, sides alternated rep by rep:
+`MPI_Allreduce` of the same buffer, in one run, the sides' order rotated rep by rep:
 
     .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/mpi_partial_allreduce.py [--numel 1048576] [--reps 200]
 
 Baseline: mpi4py `Allreduce` in place on a float32 numpy buffer, then the division by n (the mean every replica
-applies). Partial: `PartialAllreduce.__call__(grad, quorum=n, round=t)` (`collsync/runtime/mpi_partial.py`): a
-ticket, a Put of the contribution to the host's window; once all are in, each rank sums one 1/n block of the n
-slots in rank order and publishes it, and every rank Gets the whole mean. Also timed: quorum n - 1 (one backup,
-the fastest n - 1 counted), for scale. Each rep starts with a `Barrier` so both sides start from ranks in step;
-the time is the slowest rank's. Correctness: the partial mean equals the allreduce mean to float32 rounding (a sum
-in another order).
+applies). Partial: `PartialAllreduce.__call__(grad, quorum=n, round=t, out=out)`
+(`collsync/runtime/mpi_partial.py`): at full quorum one allreduce on a duplicate communicator (blocking here, as no
+`timeout` is set; with one, an `MPI_Iallreduce` waited for up to it), the gradient copied into `out` first as the
+baseline copies it into its buffer. Also timed: the baseline's `Allreduce` by hand on a torch tensor's buffer over
+a duplicate communicator (the full-quorum path without its bookkeeping), the partial allreduce without `out` (a
+new 4 MiB mean per round, what `run_partial` does), and quorum n - 1 (one backup, the fastest n - 1 counted:
+tickets, Puts to the host's window, each contributor summing one block of the slots in rank order, every rank
+Getting the mean), for scale. Each rep starts with a `Barrier` so the sides start from ranks in step; the time is
+the slowest rank's. Correctness: the partial mean equals the allreduce mean to float32 rounding (MPI may sum in
+another order on the duplicate communicator).
 """
 
 from __future__ import annotations
@@ -40,25 +44,45 @@ def main() -> None:
     rng = np.random.default_rng(rank)
     grad = torch.from_numpy(rng.standard_normal(args.numel).astype(np.float32))
     buf = np.empty(args.numel, dtype=np.float32)
-    times: dict[str, list[float]] = {"allreduce": [], "partial_n": [], "partial_n_minus_1": []}
-    worst = 0.0
+    out = torch.empty(args.numel, dtype=torch.float32)
+    by_hand = torch.empty(args.numel, dtype=torch.float32)
+    dup = comm.Dup()
+    times: dict[str, list[float]] = {
+        "allreduce": [],
+        "allreduce_torch": [],
+        "partial_n": [],
+        "partial_n_alloc": [],
+        "partial_n_minus_1": [],
+    }
+    quorums = {"partial_n": (n, out), "partial_n_alloc": (n, None), "partial_n_minus_1": (n - 1, out)}
     with PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pa:
         t_round = 0
-        for _ in range(args.reps):
-            comm.Barrier()
-            t = time.perf_counter()
-            np.copyto(buf, grad.numpy())
-            comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], op=MPI.SUM)
-            buf /= n
-            times["allreduce"].append(time.perf_counter() - t)
-            for name, quorum in (("partial_n", n), ("partial_n_minus_1", n - 1)):
+        for rep in range(args.reps):
+            # The sides' order rotates rep by rep (the allreduce first in rep 0, so `buf` holds the mean from then
+            # on): none of them always runs right after a given other one.
+            order = list(times)[rep % len(times) :] + list(times)[: rep % len(times)]
+            for name in order:
                 comm.Barrier()
                 t = time.perf_counter()
-                result = pa(grad, quorum, t_round)
+                if name == "allreduce":
+                    np.copyto(buf, grad.numpy())
+                    comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], op=MPI.SUM)
+                    buf /= n
+                    times[name].append(time.perf_counter() - t)
+                    continue
+                if name == "allreduce_torch":
+                    by_hand.copy_(grad)
+                    dup.Allreduce(MPI.IN_PLACE, [by_hand.numpy(), MPI.FLOAT], op=MPI.SUM)
+                    by_hand.div_(n)
+                    times[name].append(time.perf_counter() - t)
+                    continue
+                quorum, into = quorums[name]
+                pa(grad, quorum, t_round, out=into)
                 times[name].append(time.perf_counter() - t)
                 t_round += 1
-                if quorum == n:
-                    worst = max(worst, float(np.abs(result.mean.numpy() - buf).max()))
+        # Checked once, after the timing: a check between the sides would warm `buf` (and allocate) for the next.
+        worst = float(np.abs(pa(grad, n, t_round).mean.numpy() - buf).max())
+    dup.Free()
     # The slowest rank's time per rep (a collective ends when its last rank does).
     slowest = {k: np.max(comm.allgather(np.array(v)), axis=0).tolist() for k, v in times.items()}
     worst = comm.allreduce(worst, op=MPI.MAX)
@@ -71,7 +95,8 @@ def main() -> None:
         # load moving between reps.
         per_rep = {
             k: statistics.median(p / a for p, a in zip(slowest[k], slowest["allreduce"], strict=True))
-            for k in ("partial_n", "partial_n_minus_1")
+            for k in times
+            if k != "allreduce"
         }
         result = {
             "command": f"mpiexec -n {n} python benchmarks/mpi_partial_allreduce.py --numel {args.numel} "
@@ -80,7 +105,7 @@ def main() -> None:
             "ranks": n,
             "numel": args.numel,
             "median_ms": {k: 1e3 * v for k, v in med.items()},
-            "ratio_to_allreduce": {k: med[k] / med["allreduce"] for k in ("partial_n", "partial_n_minus_1")},
+            "ratio_to_allreduce": {k: med[k] / med["allreduce"] for k in times if k != "allreduce"},
             "median_per_rep_ratio": per_rep,
             "max_abs_diff": worst,
             "target": "partial_n <= 1.10",

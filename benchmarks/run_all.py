@@ -89,7 +89,9 @@ def _torch_stragglers(d: dict[str, Any]) -> str:
 
 def _partial(d: dict[str, Any]) -> str:
     r = d["ratio_to_allreduce"]
-    return f"quorum n: {_f(r['partial_n'])}, quorum n - 1: {_f(r['partial_n_minus_1'])}"
+    fresh = f" (a new mean tensor each round: {_f(r['partial_n_alloc'])})" if "partial_n_alloc" in r else ""
+    by_hand = f"; `Allreduce` by hand on a torch buffer: {_f(r['allreduce_torch'])}" if "allreduce_torch" in r else ""
+    return f"quorum n: {_f(r['partial_n'])}{fresh}, quorum n - 1: {_f(r['partial_n_minus_1'])}{by_hand}"
 
 
 def _soak(d: dict[str, Any]) -> str:
@@ -155,7 +157,7 @@ BENCHES = [
     Bench(
         "mpi_partial_allreduce",
         "k-of-n partial allreduce (windows), 1M float32, 4 ranks",
-        "mpi4py `Allreduce` in place + the division by n, alternated rep by rep",
+        "mpi4py `Allreduce` in place + the division by n, the order rotated rep by rep",
         _mpi(4, "mpi_partial_allreduce.py", "--reps", "200"),
         _mpi(2, "mpi_partial_allreduce.py", "--reps", "2", "--numel", "1024"),
         _partial,

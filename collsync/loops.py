@@ -323,12 +323,12 @@ def run_allreduce(
 #     server.apply_mean(mean, contributors)                                      # theta_{t+1}, identical everywhere
 #     server.accept(late) for each dropped rank                                  # the b late ones: dropped, traced
 #
-# `quorum` = n (`sync=bsp`) is serverless BSP and gives the same parameters, bit for bit, as `run_allreduce` (the
-# partial allreduce sums the n gradients in rank order; a full allreduce of the same data is equal wherever its sum
-# is exact, and on float64 small integers always). A rank whose round is already complete when it gets there reads
+# `quorum` = n (`sync=bsp`) is serverless BSP: the partial allreduce's full rounds are one `MPI_Iallreduce`, so the
+# parameters equal `run_allreduce`'s to float tolerance, and bit for bit wherever the sum is exact (on float64 small
+# integers always); partial rounds sum in rank order. A rank whose round is already complete when it gets there reads
 # the mean without computing a gradient that would be dropped (`PartialAllreduce.try_read`: the serverless form of a
-# backup worker skipping to the server's round, `policy.next_clock`). A rank up to `depth` rounds behind catches up
-# by reading the means it missed, in order; further behind, the fast ranks wait for it (see
+# backup worker skipping to the server's round, `policy.next_clock`). A rank up to `depth` rounds behind catches up by
+# reading the means it missed, in order; further behind, the fast ranks wait for it (see
 # `collsync.runtime.mpi_partial`).
 #
 # `runtime=partial` runs it from `collsync.train` (`sync=bsp` or `sync=backup`). A frozen worker stalls the others

@@ -182,3 +182,49 @@ def test_backup_workers_train_and_pass_the_trace_checks(comm):
     assert counts["applied"] == steps * (n - 1) and counts["dropped"] == steps
     assert (server.params - target).norm() < 0.1 * (start - target).norm()  # it trains
     assert _same_everywhere(comm, server.params.numpy().tobytes())
+
+
+def test_full_and_partial_rounds_mix_with_a_lagging_rank(comm):
+    """Full-quorum rounds (an allreduce, no ticket, read[] written lazily) between partial ones: the tickets' arrival
+    arithmetic, the gate and a rank lagging by up to `depth` rounds all still hold, and `out` is filled in place."""
+    n, rank, numel, depth, rounds = comm.Get_size(), comm.Get_rank(), 6, 2, 60
+    if n < 2:
+        pytest.skip("a partial round needs a quorum below n >= 2")
+    rng = random.Random(rank)
+    out = torch.empty(numel, dtype=torch.float64)
+    replica = torch.zeros(numel, dtype=torch.float64)
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=depth) as pa:
+        for t in range(rounds):
+            quorum = n if t % 3 == 0 else n - 1
+            if rank == n - 1 and t % 3 == 1:
+                time.sleep(rng.uniform(0, 0.02))  # often the one dropped, often reading rounds it missed
+            result = pa.try_read(quorum, t)
+            if result is None:
+                result = pa(_contribution(rank, t, numel), quorum, t, out=out if t % 2 else None)
+                assert (result.mean is out) == bool(t % 2)  # counted, dropped or full: the mean lands in `out`
+            assert result.round == t and result.quorum == quorum and len(result.contributors) == quorum
+            if quorum == n:
+                assert result.contributors == list(range(n)) and result.dropped == []
+            assert torch.equal(result.mean, _expected(result, numel))
+            replica.mul_(0.5).add_(result.mean)
+    assert _same_everywhere(comm, replica.numpy().tobytes())
+
+
+def test_a_full_round_that_times_out_names_the_rank_that_never_came(comm):
+    """A collective cannot say whom it waits for: the roll call does (every rank that timed out answers it)."""
+    n, rank, numel = comm.Get_size(), comm.Get_rank(), 4
+    if n < 2:
+        pytest.skip("needs a missing rank beside others")
+    absent = n - 1
+    with PartialAllreduce(comm, numel, dtype=torch.float64, timeout=0.3) as pa:
+        pa(_contribution(rank, 0, numel), n, 0)
+        if rank != absent:
+            with pytest.raises(TimeoutError, match=rf"round 1 \(all {n} ranks.*; waiting on rank {absent} on \S+ \("):
+                pa(_contribution(rank, 1, numel), n, 1)
+            with pytest.raises(RuntimeError, match="round 1's allreduce timed out and is still posted"):
+                pa(_contribution(rank, 1, numel), n, 1)  # a retry would post a second allreduce for round 1
+        comm.Barrier()
+        if rank == absent:
+            # Late, it completes the allreduce the others gave up on (their requests finish in free()'s Barrier).
+            result = pa(_contribution(rank, 1, numel), n, 1)
+            assert torch.equal(result.mean, _expected(result, numel))

@@ -65,5 +65,6 @@ def test_serverless_runs_equal_the_simulator_to_float_tolerance(comm):
         assert server.version == STEPS
         torch.testing.assert_close(server.params, reference.params, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(server.ema, reference.ema, rtol=1e-12, atol=1e-14)
-    # The partial allreduce sums in rank order, as the simulated server sums in worker order: the same bits.
-    assert torch.equal(partial.params, reference.params)
+    # Full-quorum rounds are an MPI allreduce (summed in MPI's order, not the simulator's worker order): equal to
+    # float tolerance above, and the same bits on every rank, so the replicas never drift apart.
+    assert len(set(comm.allgather(partial.params.numpy().tobytes()))) == 1
