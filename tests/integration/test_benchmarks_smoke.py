@@ -42,7 +42,13 @@ def _check(name: str, data: dict[str, Any]) -> None:
             assert set(row["ratio_to_loop"]) == {"loop", "thread", "poll", "plain", "blocking"}
             assert max(row["max_param_diff"].values()) <= 1e-4
     elif name == "mpi_partial_allreduce":
-        assert set(data["median_ms"]) == {"allreduce", "partial_n", "partial_n_minus_1"}
+        assert set(data["median_ms"]) == {
+            "allreduce",
+            "allreduce_torch",
+            "partial_n",
+            "partial_n_alloc",
+            "partial_n_minus_1",
+        }
         assert data["max_abs_diff"] <= 1e-5  # the partial mean is the allreduce mean (checked in the run too)
     elif name == "mpi_shards_scaling":
         rows = data["servers"]
