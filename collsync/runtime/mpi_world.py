@@ -51,19 +51,37 @@ def rank_prefix(comm: Any) -> str:
 
 def node_size(comm: Any) -> int:
     """How many ranks of `comm` share this rank's node (collective)."""
+    return node_layout(comm)[0]
+
+
+def affinity() -> set[int]:
+    """The cores this process may run on (its affinity mask: a Slurm task bound with `--cpu-bind` sees its own)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def node_layout(comm: Any) -> tuple[int, int]:
+    """(ranks of `comm` on this node, cores those ranks may run on together) (collective). The cores are the union
+    of the ranks' affinity masks: under `srun --cpu-bind=cores` each rank's own mask is one core, which says
+    nothing about whether the node's ranks share cores; unbound ranks each see the whole node."""
     from mpi4py import MPI
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    size = local.Get_size()
+    masks = local.allgather(sorted(affinity()))
     local.Free()
-    return size
+    return len(masks), len(set().union(*masks))
 
 
 def own_cores(comm: Any) -> bool:
     """Whether every rank of `comm` on this node can have a core of its own (collective): no more ranks here than
-    cores this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return node_size(comm) <= cores
+    cores they may run on together."""
+    ranks, cores = node_layout(comm)
+    return ranks <= cores
+
+
+def threads_per_rank(own: int, total: int, node: int) -> int:
+    """torch intra-op threads for one of `node` ranks on a node of `total` cores, itself allowed on `own` of them:
+    an equal share, never more than its own cores (a rank bound to one core runs one thread)."""
+    return max(1, min(own, total // max(1, node)))
 
 
 def set_threads(comm: Any, node: int | None = None) -> int:
@@ -71,7 +89,7 @@ def set_threads(comm: Any, node: int | None = None) -> int:
     `node`: the ranks on this node, if the caller counted them already (`node_size`, collective)."""
     import torch
 
-    threads = max(1, (os.cpu_count() or 1) // (node_size(comm) if node is None else node))
+    threads = threads_per_rank(len(affinity()), os.cpu_count() or 1, node_size(comm) if node is None else node)
     torch.set_num_threads(threads)
     return threads
 

@@ -113,11 +113,11 @@ def init(
     backend = backend or (config.backend if config is not None else None) or "mpi"
     if backend not in ("mpi", "horovod"):
         raise ValueError(f"collsync.torch.init: backend={backend!r} must be 'mpi' or 'horovod'")
-    from collsync.runtime.mpi_world import node_size, set_threads
+    from collsync.runtime.mpi_world import node_layout, set_threads
 
-    node = node_size(world)  # collective over the whole world: servers included
+    node, cores = node_layout(world)  # collective over the whole world: servers included
     set_threads(world, node)
-    oversubscribed = node > (os.cpu_count() or 1)
+    oversubscribed = node > cores
     rank = world.Get_rank()
     is_server = rank < servers
     comm_w = world.Split(0 if not is_server else 1, rank)

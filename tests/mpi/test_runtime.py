@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -15,7 +16,7 @@ from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rules import fasgd, momentum
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_rma import WindowMailbox
-from collsync.runtime.mpi_world import check_world_size, launcher_size, world
+from collsync.runtime.mpi_world import check_world_size, launcher_size, node_layout, own_cores, world
 from collsync.server import Server, replay
 from collsync.trace import Trace
 from collsync.types import Stamp
@@ -26,6 +27,31 @@ def test_world_matches_the_launcher(comm):
     assert launcher_size({"PMI_SIZE": "4"}) == 4 and launcher_size({}) is None
     with pytest.raises(RuntimeError, match="launcher started 4 ranks but MPI sees a world of 1"):
         check_world_size(4, 1)
+
+
+def test_node_layout_counts_the_cores_of_ranks_bound_one_core_each(comm):
+    """Under `srun --cpu-bind=cores` each rank's mask is one core: the node's ranks may still each have their own
+    (a rank's own mask alone would call every node with two ranks oversubscribed)."""
+    from mpi4py import MPI
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no affinity masks on this platform")
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node_rank, node = local.Get_rank(), local.Get_size()
+    start = os.sched_getaffinity(0)
+    # The binding below assumes the node's ranks start with one mask (mpiexec binds nothing by default).
+    if comm.allreduce(len({tuple(sorted(m)) for m in local.allgather(start)}) > 1, op=MPI.LOR):
+        local.Free()
+        pytest.skip("the ranks of a node start with different affinity masks")
+    cores = sorted(start)
+    try:
+        assert node_layout(comm) == (node, len(cores))
+        os.sched_setaffinity(0, {cores[node_rank % len(cores)]})  # one core each, round robin, as a binding does
+        assert node_layout(comm) == (node, min(node, len(cores)))
+        assert own_cores(comm) == (node <= len(cores))
+    finally:
+        os.sched_setaffinity(0, start)
+        local.Free()
 
 
 def test_allreduce_mean_is_exact_on_small_integers(comm):
