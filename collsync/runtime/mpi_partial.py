@@ -337,7 +337,8 @@ class PartialAllreduce(Windows):
     def free(self) -> None:
         """Collective: close the epochs, free the windows and the full-quorum communicator."""
         super().free()
-        self._full_comm.Free()
+        if self._full_comm != self.MPI.COMM_NULL:  # freed already (mpi4py sets the handle to COMM_NULL)
+            self._full_comm.Free()
 
     def latest(self) -> int:
         """The highest round whose mean is complete in the ring (-1 if none; full-quorum rounds never use the

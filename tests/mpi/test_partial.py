@@ -228,3 +228,11 @@ def test_a_full_round_that_times_out_names_the_rank_that_never_came(comm):
             # Late, it completes the allreduce the others gave up on (their requests finish in free()'s Barrier).
             result = pa(_contribution(rank, 1, numel), n, 1)
             assert torch.equal(result.mean, _expected(result, numel))
+
+
+def test_free_is_idempotent(comm):
+    """`free()` then the `with` block's exit (or `free()` twice) releases windows and communicator once."""
+    with PartialAllreduce(comm, 3) as pa:
+        assert torch.equal(pa(torch.ones(3), comm.Get_size(), 0).mean, torch.ones(3))
+        pa.free()
+    pa.free()
