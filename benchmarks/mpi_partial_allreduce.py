@@ -19,9 +19,11 @@ another order on the duplicate communicator).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,41 +49,41 @@ def main() -> None:
     out = torch.empty(args.numel, dtype=torch.float32)
     by_hand = torch.empty(args.numel, dtype=torch.float32)
     dup = comm.Dup()
-    times: dict[str, list[float]] = {
-        "allreduce": [],
-        "allreduce_torch": [],
-        "partial_n": [],
-        "partial_n_alloc": [],
-        "partial_n_minus_1": [],
-    }
-    quorums = {"partial_n": (n, out), "partial_n_alloc": (n, None), "partial_n_minus_1": (n - 1, out)}
+    rounds = itertools.count()  # the partial allreduce's round numbers, in the order its sides run
+
+    def allreduce() -> None:
+        np.copyto(buf, grad.numpy())
+        comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], op=MPI.SUM)
+        np.divide(buf, n, out=buf)
+
+    def allreduce_torch() -> None:
+        by_hand.copy_(grad)
+        dup.Allreduce(MPI.IN_PLACE, [by_hand.numpy(), MPI.FLOAT], op=MPI.SUM)
+        by_hand.div_(n)
+
+    def partial(quorum: int, into: torch.Tensor | None) -> Callable[[], object]:
+        return lambda: pa(grad, quorum, next(rounds), out=into)
+
     with PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pa:
-        t_round = 0
+        sides: dict[str, Callable[[], object]] = {
+            "allreduce": allreduce,
+            "allreduce_torch": allreduce_torch,
+            "partial_n": partial(n, out),
+            "partial_n_alloc": partial(n, None),
+            "partial_n_minus_1": partial(n - 1, out),
+        }
+        times: dict[str, list[float]] = {name: [] for name in sides}
         for rep in range(args.reps):
             # The sides' order rotates rep by rep (the allreduce first in rep 0, so `buf` holds the mean from then
             # on): none of them always runs right after a given other one.
-            order = list(times)[rep % len(times) :] + list(times)[: rep % len(times)]
+            order = list(sides)[rep % len(sides) :] + list(sides)[: rep % len(sides)]
             for name in order:
                 comm.Barrier()
                 t = time.perf_counter()
-                if name == "allreduce":
-                    np.copyto(buf, grad.numpy())
-                    comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], op=MPI.SUM)
-                    buf /= n
-                    times[name].append(time.perf_counter() - t)
-                    continue
-                if name == "allreduce_torch":
-                    by_hand.copy_(grad)
-                    dup.Allreduce(MPI.IN_PLACE, [by_hand.numpy(), MPI.FLOAT], op=MPI.SUM)
-                    by_hand.div_(n)
-                    times[name].append(time.perf_counter() - t)
-                    continue
-                quorum, into = quorums[name]
-                pa(grad, quorum, t_round, out=into)
+                sides[name]()
                 times[name].append(time.perf_counter() - t)
-                t_round += 1
         # Checked once, after the timing: a check between the sides would warm `buf` (and allocate) for the next.
-        worst = float(np.abs(pa(grad, n, t_round).mean.numpy() - buf).max())
+        worst = float(np.abs(pa(grad, n, next(rounds)).mean.numpy() - buf).max())
     dup.Free()
     # The slowest rank's time per rep (a collective ends when its last rank does).
     slowest = {k: np.max(comm.allgather(np.array(v)), axis=0).tolist() for k, v in times.items()}

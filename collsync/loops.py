@@ -323,7 +323,7 @@ def run_allreduce(
 #     server.apply_mean(mean, contributors)                                      # theta_{t+1}, identical everywhere
 #     server.accept(late) for each dropped rank                                  # the b late ones: dropped, traced
 #
-# `quorum` = n (`sync=bsp`) is serverless BSP: the partial allreduce's full rounds are one `MPI_Iallreduce`, so the
+# `quorum` = n (`sync=bsp`) is serverless BSP: the partial allreduce's full rounds are one MPI allreduce, so the
 # parameters equal `run_allreduce`'s to float tolerance, and bit for bit wherever the sum is exact (on float64 small
 # integers always); partial rounds sum in rank order. A rank whose round is already complete when it gets there reads
 # the mean without computing a gradient that would be dropped (`PartialAllreduce.try_read`: the serverless form of a

@@ -306,6 +306,8 @@ class PartialAllreduce(Windows):
         The mean is a new tensor, or `out` (numel elements of the dtype, not `tensor`) overwritten: no allocation."""
         self._check_not_stranded()
         check_call(self.numel, self.size, self.round, round, quorum, tensor)
+        if out is not None:  # checked before the round starts: a ticket taken cannot be given back
+            check_out(out, self.numel, self.dtype)
         if quorum == self.size > 1:
             return self._full(tensor, round, out)
         self._publish_read()
@@ -411,7 +413,8 @@ class PartialAllreduce(Windows):
 
     def _full(self, tensor: Flat, round_: int, out: Flat | None) -> PartialResult:
         """A full-quorum round: one allreduce, no control word touched (module docstring)."""
-        mean = _into(out, tensor, self.numel, self.dtype)
+        data = tensor.detach().reshape(-1)
+        mean = data.to(self.dtype, copy=True) if out is None else out.copy_(data)  # the caller's tensor stays as it was
         buffer = [mean.numpy(), self._mpi_t]
         if self.timeout is None:
             self._full_comm.Allreduce(self.MPI.IN_PLACE, buffer, op=self.MPI.SUM)
@@ -517,7 +520,7 @@ class PartialAllreduce(Windows):
 
         self._poll(probe, describe)
         record = self._load_many(entry + 3, 2 + self.size)
-        mean = torch.empty(self.numel, dtype=self.dtype) if out is None else _into(out, None, self.numel, self.dtype)
+        mean = torch.empty(self.numel, dtype=self.dtype) if out is None else out
         target = ((round_ % self.depth) * self.numel, self.numel, self._mpi_t)
         self.win_ring.Get([mean.numpy(), self._mpi_t], self.host, target=target)
         self.win_ring.Flush(self.host)
@@ -550,16 +553,10 @@ class PartialAllreduce(Windows):
 _STRANDED: list[tuple[Any, Flat]] = []
 
 
-def _into(out: Flat | None, tensor: Flat | None, numel: int, dtype: torch.dtype) -> Flat:
-    """The tensor a round's mean goes into: `out` checked (and filled with `tensor` if given), or a copy of `tensor`."""
-    if out is None:
-        assert tensor is not None
-        return tensor.detach().to(dtype, copy=True).contiguous()  # the caller's tensor is left as it was
+def check_out(out: Flat, numel: int, dtype: torch.dtype) -> None:
+    """`out`, the buffer a round's mean is written into, must hold exactly the windows' vector."""
     if out.numel() != numel or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"partial allreduce: out must be a contiguous {dtype} tensor of {numel} elements")
-    if tensor is not None:
-        out.copy_(tensor.detach().reshape(-1))
-    return out
 
 
 def _posted_for(posted: np.ndarray, round_: int, quorum: int) -> list[int] | None:

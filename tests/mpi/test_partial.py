@@ -131,6 +131,8 @@ def test_calls_out_of_order_are_rejected(comm):
             pa(torch.zeros(3), quorum=0, round=0)
         with pytest.raises(ValueError, match="tensor has 4 elements"):
             pa(torch.zeros(4), quorum=1, round=0)
+        with pytest.raises(ValueError, match="out must be a contiguous torch.float32 tensor of 3 elements"):
+            pa(torch.zeros(3), quorum=1, round=0, out=torch.zeros(4))
 
 
 def _integer_grads(numel: int):
