@@ -91,9 +91,10 @@ FIVE = {
     "ssp": ["sync=ssp"],
     "psp-2-shards": ["sync=psp", "runtime.servers=2"],
 }
-# PSP's partial pull: shard 1's server is slow (1 s per update, scaled by time_scale); 100 updates.
+# PSP's partial pull: shard 1's server is slow (1 s per update, scaled by time_scale); 150 updates (at 100 the best
+# accuracy ran 0.85-0.90, below the test's 0.85 once in four CI runs under load; at 150, 0.91-0.95 under load).
 PARTIAL_PULL = [
-    "steps=100",
+    "steps=150",
     "sync=psp",
     "runtime.servers=2",
     "sync.pull_fraction=0.5",
@@ -137,7 +138,7 @@ def test_five_ranks_reach_the_simulators_accuracy(five_ranks, tmp_path, case):
 
 def test_psp_partial_pull_goes_on_without_a_slow_shard(five_ranks):
     result = case_summary(five_ranks, "psp-partial-pull")
-    assert [shard["updates"] for shard in result["shards"]] == [100, 100]
+    assert [shard["updates"] for shard in result["shards"]] == [150, 150]
     assert result["partial_pulls"] > 0  # workers went on with shard 0's block while shard 1 was busy
     assert result["best_acc"] >= 0.85  # and with shard 1's newest published block, not the one they started with
 
