@@ -22,14 +22,14 @@ from hydra.errors import HydraException, InstantiationException, MissingConfigEx
 from omegaconf import DictConfig
 from omegaconf import errors as oc_errors
 
+from collsync.runtime.spec import launched_under_mpi, launcher_rank
+
 CONF_DIR = str(files("collsync.conf"))
 
 # How long a rank other than 0 waits before printing a user error under MPI: when every rank meets the same error
 # (a bad config), rank 0 prints it and aborts the world meanwhile, so the line appears once; an error of this rank
 # alone is printed after the wait.
 _PRINT_GRACE_S = 3.0
-# Set by launchers to a process's rank (MPICH's Hydra and srun's PMI, PMIx, Open MPI).
-_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
 
 
 def _failed_job(report: str) -> str:
@@ -150,8 +150,6 @@ def _fail(message: str, code: int = 2, what: str = "error") -> None:
     """One line on stderr, exit status `code`; under MPI the line names the rank and the world is aborted (a rank
     that failed alone would otherwise leave the others waiting forever). A stop asked for by a signal is no error
     (`what=""`) and exits 128 + the signal's number, as a shell reports a process a signal ended."""
-    from collsync.runtime.spec import launched_under_mpi
-
     _close_progress_bars()
     if not launched_under_mpi():
         print(f"collsync-train: {what + ': ' if what else ''}{message}", file=sys.stderr, flush=True)
@@ -175,16 +173,9 @@ def _fail(message: str, code: int = 2, what: str = "error") -> None:
     abort(MPI.COMM_WORLD, code)
 
 
-def _launcher_rank() -> int:
-    """This process's rank as the launcher announced it (0 without a launcher)."""
-    return next((int(os.environ[v]) for v in _RANK_VARS if os.environ.get(v, "").isdigit()), 0)
-
-
 def _check_world() -> None:
     """Under a launcher, stop at once when MPI's world is not the launcher's (another MPI's mpiexec started this
     python: every rank is a world of its own). The launcher's rank 0 prints one line; the others exit quietly."""
-    from collsync.runtime.spec import launched_under_mpi
-
     if not launched_under_mpi():
         return
     from collsync.runtime.mpi_world import world
@@ -192,15 +183,13 @@ def _check_world() -> None:
     try:
         world()
     except RuntimeError as exc:  # check_world_size's mismatch: MPI itself is up, but each rank is alone in it
-        if _launcher_rank() == 0:
+        if launcher_rank() == 0:
             print(f"collsync-train: rank 0: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
 def _shared_run_dir() -> None:
     """Under MPI, every rank must write into one run folder: rank 0 picks the time, the others take it."""
-    from collsync.runtime.spec import launched_under_mpi
-
     if not launched_under_mpi() or any(a.startswith(("hydra.run.dir=", "-m", "--multirun")) for a in sys.argv):
         return
     import time

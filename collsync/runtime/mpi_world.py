@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from collsync.runtime.spec import launched_under_mpi
+from collsync.runtime.spec import SIZE_VARS, launched_under_mpi
 
 __all__ = ["launcher_size", "launched_under_mpi", "rank_prefix", "abort", "abort_on_error", "world", "set_threads"]
 
@@ -19,7 +19,7 @@ __all__ = ["launcher_size", "launched_under_mpi", "rank_prefix", "abort", "abort
 def launcher_size(env: Mapping[str, str] | None = None) -> int | None:
     """The world size the launcher announced in the environment (PMI, Open MPI), or None if none did."""
     env = os.environ if env is None else env
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+    for var in SIZE_VARS:
         value = env.get(var, "")
         if value.isdigit():
             return int(value)

@@ -10,14 +10,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-# Environment variables through which launchers announce the world size: MPICH's Hydra and `srun --mpi=pmi2` (PMI),
-# Open MPI's mpirun.
-_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+# The launchers' environment variables, listed here only (`collsync.cli` and `mpi_world.launcher_size` read them too).
+# The world size: MPICH's Hydra and `srun --mpi=pmi2` (PMI), Open MPI's mpirun.
+SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 # Set by a launcher that joins its processes into one MPI world: PMI (MPICH's Hydra, `srun --mpi=pmi2`), PMIx
 # (`srun --mpi=pmix`, Open MPI's launcher), Open MPI's mpirun.
-_WORLD_VARS = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+WORLD_VARS = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 # A process's rank as each launcher announces it (Slurm's task id last: it holds under every MPI plugin).
-_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 # How long a rank other than 0 waits, when the launch does not fit, for rank 0 to print the error and abort the
 # world (`collsync.cli._fail` aborts after `mpi_world.ABORT_GRACE_S`), before it exits by itself.
 _AWAIT_ABORT_S = 10.0
@@ -67,10 +67,10 @@ class RuntimeSpec:
         abort. `env`: the environment to read (default `os.environ`).
         """
         env = os.environ if env is None else env
-        rank = next((int(env[v]) for v in _RANK_VARS if env.get(v, "").isdigit()), 0)
+        rank = launcher_rank(env)
         tasks = env.get("SLURM_STEP_NUM_TASKS", "")
-        ranks = next((int(env[v]) for v in _SIZE_VARS if env.get(v, "").isdigit()), 1)
-        if tasks.isdigit() and int(tasks) > 1 and not any(v in env for v in _WORLD_VARS):
+        ranks = next((int(env[v]) for v in SIZE_VARS if env.get(v, "").isdigit()), 1)
+        if tasks.isdigit() and int(tasks) > 1 and not any(v in env for v in WORLD_VARS):
             if rank != 0:
                 raise SystemExit(2)
             raise ValueError(
@@ -91,9 +91,15 @@ class RuntimeSpec:
             )
 
 
+def launcher_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank as the launcher announced it in `env` (default `os.environ`); 0 without a launcher."""
+    env = os.environ if env is None else env
+    return next((int(env[v]) for v in RANK_VARS if env.get(v, "").isdigit()), 0)
+
+
 def launched_under_mpi() -> bool:
     """True when a launcher started this process as one of several ranks (read from the environment only)."""
-    for var in _SIZE_VARS:
+    for var in SIZE_VARS:
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 1:
             return True
