@@ -1,7 +1,7 @@
 """What a run's trace says: accuracy over time, staleness, drops, the time to the k-th gradient, Gap vs delay.
 
 Every function here is pure: it reads a `Trace` (see `collsync.trace` for the events) and returns numbers, rows or
-files. The figures live in `collsync.plots`; `write_report` ties the two together for one run, and
+files. The figures live in `collsync.plots`; `collsync.report.write_report` ties the two together for one run, and
 `collsync.report` (the `collsync-report` command) compares runs. Times are the trace's `t`: simulated seconds in
 the simulator, wall seconds under MPI; the summary's `clock` says which ("simulated", "wall", or None when unknown).
 
@@ -12,7 +12,6 @@ gradients never reached the parameters.
 from __future__ import annotations
 
 import csv
-import json
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -307,36 +306,6 @@ def gap_vs_delay(trace: TraceLike, buckets: int = 20) -> list[dict[str, Any]]:
         for b, (gaps, delays) in sorted(acc.items())
         if gaps
     ]
-
-
-def write_report(
-    trace: TraceLike, out_dir: str | Path, extra: dict[str, Any] | None = None, clock: str | None = None
-) -> dict[str, Path]:
-    """Write metrics.csv, summary.json (with `extra` merged in) and the figures into `out_dir`; return their paths,
-    keyed by file stem. kth_gradient_cdf.png only for round policies, gap_vs_delay.png only with Gap data.
-
-    `clock` ("simulated" or "wall") is what the trace's times are in; by default the trace's own `clock_kind`.
-    It goes into summary.json as `clock`, which is how a later report tells simulated from wall seconds: the
-    config cannot always say (`runtime=auto` is the simulator or MPI depending on how the run was launched).
-    """
-    from collsync import plots  # matplotlib is imported only when figures are drawn
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    events = events_of(trace)
-    clock = clock or clock_of(trace)
-    rows = metrics_rows(events)
-    paths = {"metrics": write_csv(rows, out / "metrics.csv"), "summary": out / "summary.json"}
-    result = {**summary(events, clock=clock), **(extra or {})}
-    paths["summary"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    paths["accuracy_vs_time"] = plots.plot_accuracy(rows, out / "accuracy_vs_time.png", x="time", clock=clock)
-    paths["accuracy_vs_steps"] = plots.plot_accuracy(rows, out / "accuracy_vs_steps.png", x="steps")
-    paths["staleness_hist"] = plots.plot_staleness(events, out / "staleness_hist.png")
-    if kth_gradient_times(events):
-        paths["kth_gradient_cdf"] = plots.plot_kth_cdf(events, out / "kth_gradient_cdf.png", clock=clock)
-    if gap_vs_delay(events):
-        paths["gap_vs_delay"] = plots.plot_gap_vs_delay(events, out / "gap_vs_delay.png")
-    return paths
 
 
 def _ratio(made: int, possible: int) -> float | None:

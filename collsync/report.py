@@ -7,141 +7,31 @@
 A sweep folder (`multirun/<date>/<time>`) is searched for run folders (those holding trace.jsonl), so the folder
 itself, a shell glob over it (which also names multirun.yaml) or a few run folders all work. Runs are labelled by
 the Hydra overrides that tell them apart (`sync=async seed=1`, from .hydra/overrides.yaml), never by the time
-stamps in their folder names; runs whose overrides differ only in `seed=` form a group, reported as mean and spread.
-Times are simulated seconds for the simulator and wall seconds for real runs; the two never share an axis or a
-column without their unit.
+stamps in their folder names; runs whose overrides differ only in `seed=` form a group, reported as mean and spread
+(run folders read back: `collsync.runfiles`). Times are simulated seconds for the simulator and wall seconds for real
+runs; the two never share an axis or a column without their unit.
+
+Every folder the command will write is probed first (`collsync.rundir.probe`, as `collsync-train` probes its run
+folder): one that is read-only, full or under a regular file stops it with one line and exit status 2, before
+anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from collsync.metrics import CLOCKS, THRESHOLDS, format_summary, metrics_rows, summary, write_report
-from collsync.trace import Trace
+from collsync.metrics import THRESHOLDS, format_summary, metrics_rows
+from collsync.rundir import RunFolderError, describe, probe
+from collsync.runfiles import ReportError, Run, find_runs, kept_summary_keys, read_run, run_names, write_report
 
 PROG = "collsync-report"
-# What a runtime's Hydra target says about its clock; `auto` is the simulator or MPI depending on the launch, so a
-# run's summary.json (`clock`, written by the run itself) is read first.
-_CLOCK_OF_RUNTIME = {"sim": "simulated", "mpi": "wall", "allreduce": "wall", "partial": "wall"}
-
-
-class ReportError(ValueError):
-    """A problem with the user's input to `collsync-report`: printed as one line, exit status 2."""
-
-
-@dataclass
-class Run:
-    """A run folder read back: its trace, the overrides it was launched with, and the clock of its times."""
-
-    path: Path
-    trace: Trace
-    overrides: list[str] | None
-    clock: str | None
-    summary: dict[str, Any]
-    label: str = ""
-    group: str = ""
-
-
-def _natural(path: Path) -> tuple[tuple[int, int | str], ...]:
-    """Sort key: numbered job folders in numeric order (2 before 10), as Hydra numbered them, other names by name."""
-    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in path.parts)
-
-
-def find_runs(paths: Sequence[Path]) -> list[Path]:
-    """The run folders under `paths`, in natural order (job 2 before job 10, whatever order a shell glob gave): a
-    path holding trace.jsonl is a run; another folder is searched (hidden folders such as .hydra and .submitit
-    skipped); a plain file (multirun.yaml, named by a shell glob) is skipped. A named path that does not exist, a
-    single folder with no run in it, or no run at all, is an error."""
-    found: list[Path] = []
-
-    def walk(folder: Path) -> None:
-        if (folder / "trace.jsonl").is_file():
-            found.append(folder)
-            return
-        for child in folder.iterdir():
-            if child.is_dir() and not child.name.startswith("."):
-                walk(child)
-
-    for path in paths:
-        if not path.exists():
-            raise ReportError(f"{path}: no such file or folder")
-        if path.is_dir():
-            before = len(found)
-            walk(path)
-            if len(found) == before and len(paths) == 1:
-                raise ReportError(f"no run folder (one holding trace.jsonl) in {path}")
-    if not found:
-        raise ReportError(f"no run folder (one holding trace.jsonl) in {' '.join(map(str, paths))}")
-    unique = {p.resolve(): p for p in found}  # the same run named twice (a folder and its sweep) counts once
-    return sorted(unique.values(), key=lambda p: _natural(p.resolve()))
-
-
-def read_overrides(run: Path) -> list[str] | None:
-    """The task overrides a run was launched with (.hydra/overrides.yaml), or None where the file is absent."""
-    import yaml  # installed with hydra-core
-
-    path = run / ".hydra" / "overrides.yaml"
-    if not path.is_file():
-        return None
-    try:
-        overrides = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ReportError(f"{path} is not readable YAML: {exc}".splitlines()[0]) from exc
-    return [str(o) for o in overrides] if isinstance(overrides, list) else []
-
-
-def run_clock(run: Path) -> str | None:
-    """ "simulated" or "wall": the `clock` in the run's summary.json (written by the run, which knew), else what
-    the runtime in .hydra/config.yaml implies (sim: simulated; mpi, allreduce, partial: wall); None when neither
-    says (an older run with `runtime=auto`)."""
-    try:
-        old = json.loads((run / "summary.json").read_text())
-        if isinstance(old, dict) and old.get("clock") in CLOCKS:
-            return str(old["clock"])
-    except (OSError, ValueError):
-        pass
-    try:
-        import yaml
-
-        config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
-        target = str(config["runtime"]["_target_"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return _CLOCK_OF_RUNTIME.get(target.rsplit(".", 1)[-1])
-
-
-def read_run(path: Path) -> Run:
-    """Read a run folder; an unreadable or empty trace is a `ReportError` naming the file."""
-    trace_path = path / "trace.jsonl"
-    try:
-        trace = Trace.read_jsonl(trace_path)
-    except (OSError, ValueError) as exc:
-        raise ReportError(f"{trace_path} is not a valid trace: {exc!r}") from exc
-    if not trace.events:
-        raise ReportError(f"{trace_path} is empty: the run recorded no events (did it stop before training?)")
-    clock = run_clock(path)
-    try:
-        result = {**summary(trace, clock=clock), **_kept_summary_keys(path)}  # with the trainer's `incomplete`
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ReportError(f"{trace_path} is not a valid trace: {exc!r}") from exc
-    return Run(path, trace, read_overrides(path), clock, result)
-
-
-def run_names(runs: Sequence[Path]) -> list[str]:
-    """Distinct short names for run folders (where their reports go under --out): the folder name, or
-    parent_name where two folders share a name."""
-    names = [r.resolve().name for r in runs]
-    clash = {n for n in names if names.count(n) > 1}
-    return [f"{r.resolve().parent.name}_{n}" if n in clash else n for r, n in zip(runs, names, strict=True)]
 
 
 def _is_seed(override: str) -> bool:
@@ -289,7 +179,7 @@ def _write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 def compare(runs: Sequence[Run], out: Path, common: str = "") -> dict[str, Path]:
     """Write the comparison of labelled `runs` into `out`: accuracy_vs_{time,steps}.png, table.md and
     table.csv (one row per group), runs.csv (one per run); return their paths by stem."""
-    from collsync.plots import Curve, compare_accuracy
+    from collsync.plots import Curve, compare_accuracy  # matplotlib is imported only when figures are drawn
 
     out.mkdir(parents=True, exist_ok=True)
     curves = [Curve(r.label, r.group, r.clock, metrics_rows(r.trace)) for r in runs]
@@ -315,6 +205,30 @@ def _default_out(paths: Sequence[Path], runs: Sequence[Run]) -> Path:
     return Path(os.path.relpath(common / "report")) if common.is_relative_to(Path.cwd()) else common / "report"
 
 
+def _outputs(args: argparse.Namespace, runs: Sequence[Run]) -> tuple[list[Path | None], Path | None]:
+    """Where each run's own report goes (None: not re-rendered) and where the comparison goes (None: one run)."""
+    several = len(runs) > 1
+    if several and not args.each:
+        each: list[Path | None] = [None] * len(runs)
+    elif args.out is None:
+        each = [r.path for r in runs]
+    else:
+        each = [args.out if not several else args.out / n for n in run_names([r.path for r in runs])]
+    return each, (args.out or _default_out(args.paths, runs)) if several else None
+
+
+def _probe_outputs(folders: Sequence[Path | None]) -> None:
+    """`rundir.probe` each folder the command will write (created if needed): ReportError naming the first one that
+    cannot be written, with the OS error."""
+    for folder in dict.fromkeys(f for f in folders if f is not None):
+        try:
+            probe(folder)
+        except RunFolderError as exc:
+            cause = exc.__cause__
+            why = describe(cause) if isinstance(cause, OSError) else str(exc)
+            raise ReportError(f"the output folder {str(folder)!r} cannot be written: {why}") from exc
+
+
 def choose_backups(path: Path) -> str:
     """The text `--choose-backups RUN` prints (see `collsync.backups`)."""
     from collsync.backups import NotFullRounds, format_predictions, predict, worker_arrivals
@@ -335,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     --out. Several: each run's summary is printed and the comparison goes into --out, by default report/ inside the
     sweep folder (or the runs' common parent); their own reports stay as the trainer wrote them unless --each
     re-renders them too (in place, or into DIR/<run name>/), which costs a few seconds of plotting per run. Every
-    run is read and checked before anything is written.
+    run is read and checked, and every folder to be written probed, before anything is written.
     """
     parser = argparse.ArgumentParser(prog=PROG, description="Re-render run reports; compare runs and sweeps.")
     parser.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="run folder(s) or a sweep folder")
@@ -359,35 +273,24 @@ def main(argv: list[str] | None = None) -> int:
             print(choose_backups(args.paths[0]))
             return 0
         runs = [read_run(p) for p in find_runs(args.paths)]
+        common = label_runs(runs)
+        each, where = _outputs(args, runs)
+        _probe_outputs([*each, where])
     except ReportError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    common = label_runs(runs)
-    names = run_names([r.path for r in runs])
-    for run, name in zip(runs, names, strict=True):
-        if len(runs) == 1 or args.each:
-            out = run.path if args.out is None else args.out if len(runs) == 1 else args.out / name
-            write_report(run.trace, out, extra=_kept_summary_keys(run.path), clock=run.clock)
+    for run, out in zip(runs, each, strict=True):
+        if out is not None:
+            write_report(run.trace, out, extra=kept_summary_keys(run.path), clock=run.clock)
             print(f"== {run.label}  ->  {out}")
             print(format_summary(run.summary))
         else:  # the table below has the numbers; one line per run says which folder is which
             print(f"{run.label:<40} {run.path}")
-    if len(runs) > 1:
-        where = args.out or _default_out(args.paths, runs)
+    if where is not None:
         paths = compare(runs, where, common)
         print(f"\n== comparison of {len(runs)} runs  ->  {where}")
         print(paths["table"].read_text(), end="")
     return 0
-
-
-def _kept_summary_keys(run_dir: Path) -> dict[str, Any]:
-    """Keys of an existing summary.json that `summary()` does not compute (e.g. the trainer's trace checks)."""
-    try:
-        old = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    fresh = summary([])
-    return {k: v for k, v in old.items() if k not in fresh and k != "ema_note"} if isinstance(old, dict) else {}
 
 
 if __name__ == "__main__":

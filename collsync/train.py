@@ -792,8 +792,9 @@ def _finish(
     """Check the trace, write the run folder (trace, parameters, report) and print the summary. `params` / `ema`
     are the whole model's when the server held one shard of them."""
     from collsync.checks import check_trace
-    from collsync.metrics import format_summary, summary, write_report
+    from collsync.metrics import format_summary, summary
     from collsync.rundir import keep_on_write_failure
+    from collsync.runfiles import write_report
 
     try:
         counts = check_trace(trace, parts.policy, server.workers)

@@ -22,11 +22,10 @@ from collsync.metrics import (
     staleness_per_worker,
     summary,
     write_csv,
-    write_report,
 )
 from collsync.policy import asynchronous, backup, ssp
 from collsync.report import main as report_main
-from collsync.report import run_names
+from collsync.runfiles import run_names, write_report
 from collsync.trace import Trace
 
 

@@ -14,17 +14,9 @@ import torch
 from collsync import plots
 from collsync.metrics import metrics_rows
 from collsync.policy import backup, bsp
-from collsync.report import (
-    ReportError,
-    find_runs,
-    format_table,
-    group_table,
-    label_runs,
-    main,
-    read_run,
-    run_clock,
-)
+from collsync.report import format_table, group_table, label_runs, main
 from collsync.rules import sgd
+from collsync.runfiles import ReportError, find_runs, read_run, run_clock
 from collsync.server import Server
 from collsync.sim import Simulator
 from collsync.stragglers import gamma_heterogeneous, gamma_homogeneous
