@@ -1,0 +1,104 @@
+"""The layout's promises as tests: the algorithm core loads no MPI, Hydra or matplotlib (in a fresh interpreter, and
+in its source, lazy imports included), and collsync's modules import one another without a cycle."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import collsync
+
+PACKAGE = Path(collsync.__file__).parent
+CORE = ["types", "rules", "policy", "specsync", "server", "loops", "sim", "checks"]
+# What the core must never load: the MPI bindings, the config framework and the plotting library.
+FORBIDDEN = ("mpi4py", "hydra", "matplotlib")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name, not `.__init__`)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts).removesuffix(".__init__")] = path
+    return found
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """The ids of nodes under `if TYPE_CHECKING:`: imported for annotations only, never at run time."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def imported(path: Path, known: Sequence[str] = ()) -> Iterator[str]:
+    """Every module `path` imports at run time, at its top or inside a function. `from a.b import c` is a.b.c where
+    that is one of the `known` modules, else a.b (c is a name defined in a.b)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+
+
+def test_core_loads_no_mpi_hydra_or_matplotlib() -> None:
+    code = (
+        "import json, sys\n"
+        + "".join(f"import collsync.{name}\n" for name in CORE)
+        + "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.splitlines()[-1])
+    assert all(f"collsync.{name}" in loaded for name in CORE)  # the check below is not vacuous
+    bad = [m for m in loaded if m.split(".")[0] in FORBIDDEN or m.startswith("collsync.runtime.mpi_")]
+    assert bad == [], f"importing the algorithm core loads {bad}"
+
+
+def test_algorithm_modules_never_import_mpi4py() -> None:
+    names = modules()
+    core = [n for n in names if n.removeprefix("collsync.").split(".")[0] in CORE]
+    assert len(core) > len(CORE)  # rules/ is a package of several modules
+    offenders = {n: sorted(m for m in imported(names[n]) if m.split(".")[0] == "mpi4py") for n in core}
+    assert {n: m for n, m in offenders.items() if m} == {}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """collsync's modules and the collsync modules each one imports (at its top or inside a function)."""
+    names = modules()
+    return {name: {m for m in imported(path, names) if m in names and m != name} for name, path in names.items()}
+
+
+def test_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    assert graph["collsync.report"] >= {"collsync.metrics", "collsync.runfiles"}  # the graph sees real imports
+    try:
+        list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        cycle = exc.args[1]
+        raise AssertionError(f"import cycle: {' -> '.join(reversed(cycle))}") from None
+
+
+def test_cycle_detection_sees_function_local_imports(tmp_path: Path) -> None:
+    """The scan reads imports inside functions (and skips annotation-only ones), so a lazy import cannot hide a
+    cycle."""
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from collsync.loops import Worker\n"
+        "def f():\n    from collsync.server import Server\n    import mpi4py.MPI\n"
+    )
+    found = set(imported(module))
+    assert {"collsync.server", "mpi4py.MPI"} <= found and "collsync.loops" not in found
+    assert import_graph()["collsync.runfiles"] >= {"collsync.metrics"}
