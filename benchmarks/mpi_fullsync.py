@@ -40,7 +40,8 @@ from collsync.loops import Gradients, run_allreduce
 from collsync.models import mlp
 from collsync.policy import bsp
 from collsync.rules import sgd
-from collsync.runtime.mpi_coll import DEFAULT_BUCKET_BYTES, BucketReducer, MpiCollective
+from collsync.runtime.mpi_buckets import DEFAULT_BUCKET_BYTES, BucketReducer
+from collsync.runtime.mpi_coll import MpiCollective
 from collsync.server import Server
 
 SIZES = {"100k": (900,), "5M": (2200, 2200)}
@@ -58,7 +59,10 @@ def collsync_side(comm: object, data: Dataset, hidden: tuple[int, ...], steps: i
         grads = Gradients(flat, Batches(data, coll.size, batch, 0))
         reducer = None
         if how in ("thread", "poll"):
-            reducer = BucketReducer(comm, flat, DEFAULT_BUCKET_BYTES, deadline=DEADLINE, thread=how == "thread")
+            thread = how == "thread"
+            reducer = BucketReducer(
+                comm, flat.buffer, DEFAULT_BUCKET_BYTES, eager=True, deadline=DEADLINE, thread=thread
+            )
         comm.Barrier()
         t = time.perf_counter()
         if reducer is None:

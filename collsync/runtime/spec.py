@@ -130,7 +130,7 @@ def allreduce(bucket_mib: float = 4.0, inject_stragglers: bool = False, time_sca
 
     `bucket_mib`: gradients are averaged in buckets of about this many MiB while the backward pass runs (overlap,
     as Horovod's tensor fusion and DDP's buckets): each bucket's `MPI_Allreduce` on a communication thread
-    (`mpi_coll.CommThread`, where MPI allows threads; `MPI_Iallreduce` + `Testall` otherwise); 0: one
+    (`mpi_buckets.CommThread`, where MPI allows threads; `MPI_Iallreduce` + `Testall` otherwise); 0: one
     `MPI_Allreduce` of the whole gradient after backward. Either way bounded by `sync.deadline`.
     """
     return RuntimeSpec("allreduce", inject_stragglers=inject_stragglers, time_scale=time_scale, bucket_mib=bucket_mib)

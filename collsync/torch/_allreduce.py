@@ -1,0 +1,142 @@
+"""`bsp` without servers: Horovod's semantics and numbers (see `collsync.torch.optimizer`).
+
+`synchronize()` averages (or sums) every gradient over the workers in one fused reduction, honouring
+`compression`, `op`, `gradient_predivide_factor` and `backward_passes_per_step` as Horovod does; then the user's
+optimizer steps on every replica. Where it can (one dtype, no compression, mpi4py with threads, more than one
+worker), the reduction runs in buckets while backward goes on (`runtime.mpi_buckets.BucketReducer`, the one
+`collsync-train` uses); else it is one `ops.allreduce_` (or Horovod's own, with `backend="horovod"`) of the
+gradients copied into one buffer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from collsync.flat import ParamBuffer
+from collsync.runtime.horovod import allreduce_ as horovod_allreduce_
+from collsync.runtime.mpi_buckets import PASSES_MESSAGE, BucketReducer
+from collsync.runtime.mpi_coll import threads_supported
+from collsync.torch import _mode, ops
+from collsync.torch._mode import Mode
+from collsync.torch._world import World
+
+
+class AllreduceMode(Mode):
+    """Full sync (`bsp` without servers), Horovod's numbers: see the module docstring."""
+
+    name = "bsp"
+
+    def __init__(
+        self,
+        st: World,
+        params: list[torch.Tensor],
+        compression: Any,
+        passes: int,
+        op: int,
+        predivide: float,
+        sparse_as_dense: bool = False,
+        deadline: float | None = None,
+    ) -> None:
+        self.st, self.compression, self.passes, self.op = st, compression, passes, op
+        # Horovod's split of the average: 1/f before the sum, f/size after it (the 1/size applied by the reduction).
+        self.pre, self.post = (1.0 / predivide, predivide) if op == ops.Average else (1.0, 1.0)
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault(p.dtype, []).append(p)
+        self.flats = [
+            ParamBuffer(ps, flag=i == 0, sparse_as_dense=sparse_as_dense) for i, ps in enumerate(groups.values())
+        ]
+        self.counts = {id(p): 0 for p in params}
+        self.synchronized = False
+        self.reducer: BucketReducer | None = None
+        self.handles: list[Any] = []
+        size = st.comm.Get_size()
+        if (
+            st.backend != "horovod"
+            and compression is ops.Compression.none
+            and not sparse_as_dense
+            and len(self.flats) == 1
+            and self.flats[0].buf.dtype in (torch.float32, torch.float64)
+            and size > 1
+            and threads_supported()
+        ):
+            post = self.post / size if op == ops.Average else self.post
+            self.reducer = BucketReducer(
+                st.comm,
+                self.flats[0],
+                _mode.BUCKET_BYTES,
+                pre=self.pre,
+                post=post,
+                passes=passes,
+                deadline=deadline,
+                what="DistributedOptimizer: the gradient allreduce",
+            )
+        else:
+            self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
+
+    def _count(self, p: torch.Tensor) -> None:
+        self.counts[id(p)] += 1
+        if self.counts[id(p)] > self.passes:
+            raise AssertionError(PASSES_MESSAGE)
+
+    def reduce(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Average (or sum) each flat buffer over the workers, through compression, on the chosen backend."""
+        out = []
+        for flat in flats:
+            wire, ctx = self.compression.compress(flat)
+            if self.st.backend == "horovod":
+                horovod_allreduce_(wire, self.op, self.pre, self.post)
+            else:
+                ops.allreduce_(wire, op=self.op, prescale_factor=self.pre, postscale_factor=self.post)
+            out.append(self.compression.decompress(wire, ctx))
+        return out
+
+    def synchronize(self) -> None:
+        if self.reducer is not None:
+            self.reducer.wait()
+            self.synchronized = True
+            return
+        means = self.reduce([f.grads() for f in self.flats])
+        for flat, mean in zip(self.flats, means, strict=True):
+            flat.set_grads(mean)
+        for key in self.counts:
+            self.counts[key] = 0
+        self.synchronized = True
+
+    def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
+        if sync:
+            if self.synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown.",
+                    stacklevel=3,
+                )
+            self.synchronize()
+        self.synchronized = False
+        return base(closure)
+
+    def join(self) -> int:
+        """Contribute zeros to the gradient reductions of the workers still stepping, until every worker joined
+        (Horovod's join, for the optimizer's reductions; other collectives are not matched). Returns the rank
+        that joined last."""
+        rounds = 0
+        while True:
+            if self.reducer is not None:
+                sums = [self.reducer.idle_round()]
+            else:
+                sums = self.reduce([f.grads(active=False) for f in self.flats])
+            if sums[0][-1].item() == 0:  # nobody stepped in this reduction: everyone has joined
+                break
+            rounds += 1
+        joined = ops.allgather_object(rounds)
+        return max(r for r, k in enumerate(joined) if k == min(joined))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if self.reducer is not None:
+            self.reducer.remove()

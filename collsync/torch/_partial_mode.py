@@ -1,0 +1,87 @@
+"""`backup` without servers (000_..., Chen et al., Alg. 3-4): each step t is a k-of-n partial allreduce
+(`runtime.mpi_partial.PartialAllreduce`). The first n - b gradients of round t to arrive are averaged, every replica
+applies that same mean with the user's optimizer, and a gradient that came late is dropped and counted (`dropped`).
+A worker whose round is already complete reads the mean without contributing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from collsync.loops import check_policy
+from collsync.runtime.mpi_buckets import BucketReducer
+from collsync.runtime.mpi_coll import shutdown, threads_supported
+from collsync.runtime.mpi_partial import PartialAllreduce
+from collsync.torch import _mode
+from collsync.torch._mode import Mode, one_dtype
+from collsync.torch._world import World
+from collsync.torch.config import SyncConfig
+
+
+class PartialMode(Mode):
+    """Backup workers without servers: see the module docstring."""
+
+    name = "backup"
+
+    def __init__(self, st: World, params: list[torch.Tensor], config: SyncConfig, passes: int = 1) -> None:
+        self.st = st
+        policy = config.policy
+        check_policy(policy)
+        workers = st.comm.Get_size()
+        policy.check(workers)
+        self.quorum = policy.quorum_for(workers)
+        self.flat = one_dtype(params, policy.name)
+        self.round = 0
+        self.dropped = 0
+        self.reducer: BucketReducer | None = None
+        self.pa: PartialAllreduce | None = None
+        if self.quorum == workers > 1 and threads_supported():
+            # b = 0: nobody is ever dropped, so this is bsp; it takes bsp's path (buckets reduced while backward
+            # runs) rather than n window round trips a step.
+            self.reducer = BucketReducer(
+                st.comm,
+                self.flat,
+                _mode.BUCKET_BYTES,
+                post=1.0 / workers,
+                passes=passes,
+                deadline=policy.deadline,
+                what="DistributedOptimizer: the gradient allreduce",
+            )
+            return
+        self.pa = PartialAllreduce(
+            st.comm, self.flat.buf.numel(), dtype=self.flat.buf.dtype, depth=config.depth, timeout=policy.deadline
+        )
+
+    def synchronize(self) -> None:
+        if self.reducer is not None:
+            self.reducer.wait()
+            self.round += 1
+            return
+        assert self.pa is not None  # one of the two is built in __init__
+        result = self.pa.try_read(self.quorum, self.round)
+        if result is None:
+            result = self.pa(self.flat.grads(), self.quorum, self.round)
+        self.dropped += self.st.comm.Get_rank() not in result.contributors
+        self.round += 1
+        self.flat.set_grads(result.mean)
+
+    def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
+        if sync:
+            self.synchronize()
+        return base(closure)
+
+    def join(self) -> int:
+        raise NotImplementedError(
+            "join() under sync='backup': every worker must take part in every round of the partial allreduce; "
+            "give every worker the same number of steps (e.g. drop_last=True)"
+        )
+
+    def close(self) -> None:
+        shutdown(self.st.comm)
+        if self.reducer is not None:
+            self.reducer.remove()
+        elif self.pa is not None:
+            self.pa.free()

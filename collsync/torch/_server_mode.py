@@ -1,0 +1,163 @@
+"""The parameter-server modes (`async`, `ssp`, `psp`, `bfasgd`, `specsync`, and any mode once `init` reserved
+servers): a worker of the shards on MPI windows (see `collsync.torch.optimizer`).
+
+`step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
+applied on the servers by collsync's rule made from the user's optimizer's class and hyperparameters
+(`config.server_rule`) plus the penalty; the user's optimizer's own state is not used.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from collsync.loops import Worker, pull, push
+from collsync.runtime.mpi_shards import Shards
+from collsync.torch._mode import Mode, one_dtype
+from collsync.torch._serve import Job, send_job
+from collsync.torch._world import World
+from collsync.torch.config import SyncConfig, server_rule
+from collsync.torch.speculative import Speculating
+
+
+class ServerMode(Mode):
+    """A worker of the parameter-server shards: see the module docstring. `step()` is `loops.push` then
+    `loops.pull`, the two halves of the worker loop `collsync-train` runs (`loops.run_worker`)."""
+
+    def __init__(
+        self,
+        st: World,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        config: SyncConfig,
+        server_state: dict[str, Any] | None = None,
+    ) -> None:
+        policy = config.policy
+        self.name = policy.name
+        self.st = st
+        workers = st.comm.Get_size()
+        policy.check(workers)
+        rule = config.rule if config.rule is not None else server_rule(optimizer)
+        self.flat = one_dtype(params, policy.name)
+        numel = self.flat.buf.numel()
+        if numel < st.servers:
+            raise ValueError(f"DistributedOptimizer: {numel} parameters cannot be split over {st.servers} servers")
+        self.params = self.flat.read_params().clone()
+        shard_states = _shard_states(server_state, st.servers, policy.name)
+        if st.comm.Get_rank() == 0:
+            job = Job(self.params.clone(), policy, rule, config.penalty, workers, state=shard_states)
+            send_job(st.world, st.servers, job)
+        self.shards = Shards(st.world, numel, st.servers, self.flat.buf.dtype)
+        self.mailbox = self.shards.worker_mailbox(policy.pull_fraction, policy.pull_timeout)
+        self.worker = Worker(self.mailbox.worker, policy)
+        self.lrs = [g.get("lr") for g in optimizer.param_groups]
+        self.optimizer = optimizer
+        self.deadline = policy.deadline
+        self.finished = False
+        self.left = False
+        self.closed = False
+        self.spec: Speculating | None = None
+        if policy.speculation is not None:
+            # SpecSync: the messages' communicator, right after the shards, as the servers make theirs.
+            self.spec = Speculating(self, st.world, params, policy.speculation)
+        self._pull()
+        if self.spec is not None:
+            self.spec.computing()  # the first gradient: no notify before it (Alg. 2 notifies after a push)
+
+    def _pull(self) -> None:
+        if pull(self.worker, self.mailbox, self.params).done:
+            self.finished = True
+        else:
+            self.flat.set_params(self.params)  # a fetch B-FASGD skipped leaves `params` as it was: no change
+
+    def synchronize(self) -> None:
+        """Nothing to average locally: the gradient goes to the servers at `step()` (clip it in between)."""
+
+    def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
+        if self.spec is not None:
+            # SpecSync: the closure re-runs on an abort; without one, an abort here throws the gradient away.
+            return self.spec.step(closure, self._send)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.finished:
+            return loss
+        self._send()
+        return loss
+
+    def _send(self) -> None:
+        """Push this worker's gradient and pull fresh parameters into the model (SpecSync: wait, then notify)."""
+        if [g.get("lr") for g in self.optimizer.param_groups] != self.lrs:
+            self.lrs = [g.get("lr") for g in self.optimizer.param_groups]
+            warnings.warn(
+                f"DistributedOptimizer(sync={self.name!r}): the learning rate changed to {self.lrs}, but the "
+                "parameter server applies the rule it was given at construction",
+                stacklevel=5 if self.spec is not None else 4,
+            )
+        push(self.worker, self.mailbox, self.flat.grads().clone())
+        if self.spec is not None:
+            self.spec.before_pull()
+        self._pull()
+        if self.spec is not None:
+            self.spec.pulled()
+
+    @property
+    def version(self) -> int:
+        """The server version of the parameters the model holds (the last pull)."""
+        return self.worker.version
+
+    def join(self) -> int:
+        self.leave()
+        return self.st.comm.Get_rank()
+
+    def server_state_dict(self) -> dict[str, Any]:
+        from collsync.runtime.mpi_checkpoint import ShardStates
+
+        if self.st.comm.Get_rank() != 0:
+            raise ValueError("server_state_dict(): only worker 0 (rank() == 0) asks the servers for their state")
+        if self.closed:
+            raise ValueError("server_state_dict(): this optimizer is closed and its servers gone; ask before close()")
+
+        def seen_the_end() -> None:
+            if not self.left and self.mailbox.peek().done:
+                self.leave()  # training ended (another worker left a round policy): the servers wait for us
+
+        # The shards' state protocol (as collsync-train's checkpoints); this end only asks, so it is not collective.
+        asking = ShardStates(self.st.world, self.st.servers, asker=self.st.servers, dup=False)
+        shards = asking.now(seen_the_end)
+        return {"format": 1, "sync": self.name, "shards": shards}
+
+    def leave(self) -> None:
+        if not self.left:
+            self.mailbox.leave()
+            self.left = True
+            self.finished = True
+            if self.spec is not None:
+                self.spec.leave()
+
+    def close(self) -> None:
+        self.leave()
+        self.closed = True
+        if self.spec is not None:
+            # The scheduler answers every worker's BYE once all came: the end marker, then its counts.
+            self.spec.drain(self.deadline)
+        self.shards.close()
+        if self.spec is not None:
+            self.spec.close()
+
+
+def _shard_states(saved: dict[str, Any] | None, servers: int, name: str) -> list[dict[str, Any]] | None:
+    """The per-shard states of `server_state_dict()`'s result, checked against this world."""
+    if saved is None:
+        return None
+    if not isinstance(saved, dict) or saved.get("format") != 1 or "shards" not in saved:
+        raise ValueError("server_state: not what DistributedOptimizer.server_state_dict() returns")
+    if len(saved["shards"]) != servers:
+        raise ValueError(f"server_state: saved from {len(saved['shards'])} server(s), this world has {servers}")
+    if saved.get("sync") != name:
+        raise ValueError(f"server_state: saved under sync={saved.get('sync')!r}, resumed under sync={name!r}")
+    return list(saved["shards"])
