@@ -7,7 +7,9 @@ Every factory is a Hydra `_target_` (conf/data/<name>.yaml) taking keyword argum
 from __future__ import annotations
 
 import gzip
+import math
 import zipfile
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -47,43 +49,72 @@ class Dataset(NamedTuple):
         return tuple(self.x_train.shape[1:])
 
 
+_PARTS = ("train features", "train labels", "test features", "test labels")  # arrays without a file of their own
+
+
 def _dataset(
-    name: str, xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray, classes: int | None = None
+    name: str,
+    xtr: np.ndarray,
+    ytr: np.ndarray,
+    xte: np.ndarray,
+    yte: np.ndarray,
+    classes: int | None = None,
+    arrays: Sequence[str] = _PARTS,
 ) -> Dataset:
-    """Check labels and lengths, convert to torch. `classes` defaults to the largest label + 1."""
-    for part, x, y in (("train", xtr, ytr), ("test", xte, yte)):
-        # Shapes and dtypes first: numpy's own errors on a 0-d array or text data name neither the file nor the split.
-        if x.ndim < 1 or y.ndim < 1:
-            raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have one row per sample")
-        for what, a in (("features", x), ("labels", y)):
-            if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
-                raise ValueError(f"{name}: {part} {what} must be numbers (got dtype {a.dtype})")
-        if y.ndim != 1 or len(x) != len(y):
-            raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have the same rows")
-        if len(y) == 0:
-            raise ValueError(f"{name}: the {part} split is empty")
-        # Float labels are accepted when they are whole numbers (np.savez of a float array is common).
-        if not np.issubdtype(y.dtype, np.integer) and not np.array_equal(y, np.round(y)):
-            raise ValueError(f"{name}: {part} labels must be whole numbers (got dtype {y.dtype})")
-        if y.min() < 0:
-            raise ValueError(f"{name}: {part} labels must be >= 0 (found {y.min()})")
-        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
-            bad = np.argwhere(~np.isfinite(x))[0]
-            raise ValueError(
-                f"{name}: {part} features hold non-finite values ({int((~np.isfinite(x)).sum())}; the first, "
-                f"{x[tuple(bad)]}, in row {int(bad[0])}): clean the data before training"
-            )
-    found = int(max(ytr.max(), yte.max())) + 1
-    if classes is not None and found > classes:
-        raise ValueError(f"{name}: labels must be < {classes=} (found {found - 1})")
+    """The data checked whole, as torch tensors: no split empty, features numbers and finite, test rows of the
+    training rows' shape (the model is built for that shape: `Dataset.input_shape`), labels whole numbers in
+    [0, classes) in both splits. `classes` defaults to the largest training label + 1. `arrays` names the four
+    arrays (x_train, y_train, x_test, y_test) in messages: their keys in an .npz, their files."""
+    for (x, y), (xs, ys), part in (((xtr, ytr), arrays[:2], "train"), ((xte, yte), arrays[2:], "test")):
+        _check_split(name, part, x, y, xs, ys)
+    if xte.shape[1:] != xtr.shape[1:]:
+        raise ValueError(
+            f"{name}: {arrays[2]} has rows of shape {xte.shape[1:]} but {arrays[0]} {xtr.shape[1:]}, the model's "
+            f"input: both splits need rows of one shape"
+        )
+    source = "" if classes is not None else f" (the classes {arrays[1]} holds: its largest label + 1)"
+    classes = int(ytr.max()) + 1 if classes is None else classes
+    for y, ys in ((ytr, arrays[1]), (yte, arrays[3])):
+        if (y >= classes).any():
+            row = int(np.argmax(y >= classes))
+            raise ValueError(f"{name}: {ys} row {row} holds label {y[row]:g}, outside [0, {classes}){source}")
     return Dataset(
         torch.from_numpy(np.ascontiguousarray(xtr, dtype=np.float32)),
         torch.from_numpy(ytr.astype(np.int64)),
         torch.from_numpy(np.ascontiguousarray(xte, dtype=np.float32)),
         torch.from_numpy(yte.astype(np.int64)),
-        found if classes is None else classes,
+        classes,
         name,
     )
+
+
+def _check_split(name: str, part: str, x: np.ndarray, y: np.ndarray, xs: str, ys: str) -> None:
+    """One split's features `x` and labels `y` (called `xs`, `ys` in messages, which name the first bad row)."""
+    # Shapes and dtypes first: numpy's own errors on a 0-d array or text data name neither the file nor the split.
+    if x.ndim < 1 or y.ndim < 1:
+        raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have one row per sample")
+    for what, a in (("features", x), ("labels", y)):
+        if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+            raise ValueError(f"{name}: {part} {what} must be numbers (got dtype {a.dtype})")
+    if y.ndim != 1 or len(x) != len(y):
+        raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have the same rows")
+    if len(y) == 0:
+        raise ValueError(f"{name}: the {part} split is empty ({xs} and {ys} have 0 rows)")
+    # Float labels are accepted when they are whole numbers (np.savez of a float array is common).
+    if np.issubdtype(y.dtype, np.floating) and (bad := ~np.isfinite(y) | (y != np.round(y))).any():
+        row = int(np.argmax(bad))
+        raise ValueError(
+            f"{name}: {part} labels must be whole numbers (got dtype {y.dtype}; {ys} row {row} holds {y[row]})"
+        )
+    if y.min() < 0:
+        row = int(np.argmax(y < 0))
+        raise ValueError(f"{name}: {part} labels must be >= 0 (found {y.min():g}; {ys} row {row} holds {y[row]:g})")
+    if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        bad = np.argwhere(~np.isfinite(x))[0]
+        raise ValueError(
+            f"{name}: {part} features hold non-finite values ({int((~np.isfinite(x)).sum())}; the first, "
+            f"{x[tuple(bad)]}, in {xs} row {int(bad[0])}): clean the data before training"
+        )
 
 
 def _check_seed(name: str, seed: int) -> None:
@@ -219,9 +250,9 @@ def npz(path: str, flatten: bool = True) -> Dataset:
         xtr, ytr, xte, yte = loaded
     if xtr.ndim < 1 or xte.ndim < 1:
         raise ValueError(f"{where}: x_train {xtr.shape} and x_test {xte.shape} must have one row per sample")
-    if flatten:
-        xtr, xte = xtr.reshape(len(xtr), -1), xte.reshape(len(xte), -1)
-    return _dataset(f"npz: path={str(file)!r}", xtr, ytr, xte, yte)._replace(name="npz")
+    if flatten:  # the row size spelled out: -1 cannot be inferred for a split of 0 rows
+        xtr, xte = (x.reshape(len(x), math.prod(x.shape[1:])) for x in (xtr, xte))
+    return _dataset(where, xtr, ytr, xte, yte, arrays=NPZ_KEYS)._replace(name="npz")
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -269,10 +300,10 @@ def mnist(path: str, flatten: bool = True) -> Dataset:
             )
         if len(images) != len(labels):
             raise ValueError(f"mnist: {str(fi)!r} has {len(images)} images but {str(fl)!r} {len(labels)} labels")
-    shape = (-1,) if flatten else (1, xtr.shape[1], xtr.shape[2])
-    xtr = xtr.reshape(len(xtr), *shape).astype(np.float32) / 255.0
-    xte = xte.reshape(len(xte), *shape).astype(np.float32) / 255.0
-    return _dataset("mnist", xtr, ytr, xte, yte, classes=10)
+    # Each split in its own image size: `_dataset` reports a mismatch, naming the files.
+    xtr, xte = (x.reshape(len(x), *((math.prod(x.shape[1:]),) if flatten else (1, *x.shape[1:]))) for x in (xtr, xte))
+    names = [repr(str(f)) for f in files]
+    return _dataset("mnist", xtr.astype(np.float32) / 255.0, ytr, xte.astype(np.float32) / 255.0, yte, 10, names)
 
 
 def cifar10(path: str, flatten: bool = False) -> Dataset:

@@ -290,3 +290,63 @@ def test_data_configs_name_the_factory_kwargs(option):
             assert params[key].default is inspect.Parameter.empty  # a required value stays required
         else:
             assert cfg[key] == params[key].default
+
+
+# --- the data checked whole at load ---------------------------------------------------------------------------------
+
+
+def _npz(path: Path, **arrays: np.ndarray) -> str:
+    ok = {"x_train": np.zeros((6, 4)), "y_train": np.arange(6) % 3, "x_test": np.zeros((2, 4)), "y_test": np.arange(2)}
+    np.savez(path, **{**ok, **arrays})
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        # The issue's cases: features of another width in the test split, a test label beyond the classes.
+        ({"x_test": np.zeros((2, 2))}, r"d\.npz': x_test has rows of shape \(2,\) but x_train \(4,\), the model's"),
+        ({"y_test": np.array([1, 42])}, r"d\.npz': y_test row 1 holds label 42, outside \[0, 3\) \(the classes y_tra"),
+        ({"x_test": np.zeros((0, 4)), "y_test": np.zeros(0)}, r"the test split is empty \(x_test and y_test have 0"),
+        ({"y_train": np.array([0, 1, 2, 1, -1, -2])}, r"train labels must be >= 0 \(found -2; y_train row 4 holds -1"),
+        ({"y_test": np.array([0.0, 1.5])}, r"test labels must be whole numbers \(got dtype float64; y_test row 1 "),
+        (
+            {"y_train": np.array([0, 1, 2, 1, np.inf, 0])},
+            r"train labels must be whole .*y_train row 4 holds inf",
+        ),
+        ({"x_test": np.array([[0, 0, 0, 0], [0, 0, np.nan, 0]])}, r"test features hold non-finite .* in x_test row 1"),
+    ],
+    ids=["width", "test-label", "empty-test", "negative", "fraction", "infinite", "nan"],
+)
+def test_npz_is_checked_whole_naming_the_array_and_row(tmp_path: Path, arrays: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        npz(_npz(tmp_path / "d.npz", **arrays))
+
+
+def test_npz_image_rows_must_match_too(tmp_path: Path) -> None:
+    file = _npz(tmp_path / "d.npz", x_train=np.zeros((6, 1, 4, 4)), x_test=np.zeros((2, 1, 4, 3)))
+    with pytest.raises(ValueError, match=r"x_test has rows of shape \(1, 4, 3\) but x_train \(1, 4, 4\)"):
+        npz(file, flatten=False)
+    with pytest.raises(ValueError, match=r"x_test has rows of shape \(12,\) but x_train \(16,\)"):
+        npz(file)
+    assert npz(_npz(tmp_path / "ok.npz")).classes == 3  # the training labels' largest + 1
+
+
+def test_mnist_is_checked_whole_naming_the_file(tmp_path: Path) -> None:
+    _mnist_folder(tmp_path)
+    _idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([3, 12]))
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte' row 1 holds label 12, outside \[0, 10\)$"):
+        mnist(str(tmp_path))
+    _idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([3, 1]))
+    _idx(tmp_path / "t10k-images-idx3-ubyte", np.zeros((2, 20, 20)))
+    for flatten, shapes in ((True, r"\(400,\) but .*train-images-idx3-ubyte' \(784,\)"), (False, r"\(1, 20, 20\)")):
+        with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte' has rows of shape " + shapes):
+            mnist(str(tmp_path), flatten=flatten)
+
+
+@pytest.mark.parametrize("make", [lambda: digits(), lambda: digits(flatten=False), lambda: synthetic(samples=100)])
+def test_bundled_and_generated_data_pass_the_checks(make) -> None:
+    data = make()
+    assert data.x_test.shape[1:] == data.x_train.shape[1:] == data.input_shape
+    for y in (data.y_train, data.y_test):
+        assert len(y) > 0 and 0 <= int(y.min()) and int(y.max()) < data.classes
