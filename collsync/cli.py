@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -102,13 +103,14 @@ def _omegaconf_error(exc: oc_errors.OmegaConfBaseException) -> str:
     return f"{key}: {text}" if key and str(key) not in text else text
 
 
-def execute(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
+def execute(cfg: DictConfig, out_dir: Path, choices: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """What `collsync-train` does with a composed config: probe the run folder, then train (`collsync.train.run`,
-    which checks the config against its schema before it builds anything)."""
+    which checks the config against its schema before it builds anything). `choices`: Hydra's option per group,
+    which tells a group given a list of options (see `schema.check`)."""
     from collsync import rundir, schema
     from collsync.train import run
 
-    schema.check(cfg)  # first: `run` reads top-level keys (the seed) before it builds the parts
+    schema.check(cfg, choices)  # first: `run` reads top-level keys (the seed) before it builds the parts
     rundir.probe(out_dir)
     return run(cfg, out_dir)
 
@@ -120,7 +122,7 @@ def _train(cfg: DictConfig) -> float | None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     checkpoint.install()  # SIGTERM / SIGINT / SIGUSR1: checkpoint, write the run folder, exit 128 + the signal
     try:
-        result = execute(cfg, out_dir)
+        result = execute(cfg, out_dir, HydraConfig.get().runtime.choices)
     except checkpoint.Preempted as exc:
         _fail(str(exc), code=exc.code, what="")
     except Exception as exc:  # noqa: BLE001 - sorted into user errors and bugs just below

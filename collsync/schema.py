@@ -1,11 +1,14 @@
 """The config's schema: every key checked against the type its code declares, when the config loads.
 
-Two sources of truth, both already in the code, so nothing is listed twice:
+Three sources of truth, all already in the code, so nothing is listed twice:
 
 * the top-level keys of `conf/config.yaml` are the fields of `RunConfig` (types, and the ranges its
   `__post_init__` checks);
 * each group (`optimizer`, `sync`, `data`, ...) is a node with a `_target_`, whose keyword arguments are checked
-  against that factory's signature and annotations (`inspect.signature` + `typing.get_type_hints`).
+  against that factory's signature and annotations (`inspect.signature` + `typing.get_type_hints`);
+* `conf/config.yaml` itself says which keys are groups (its defaults list) and which are mappings (`checkpoint`):
+  each group holds exactly one option, and a mapping stays a mapping (`checkpoint=foo` is refused), checked first,
+  before any key inside them is read (`check_groups`).
 
 `check(cfg)` refuses an unknown keyword argument, a mandatory value left unset (`???`), and a value of the wrong
 type, with one line naming the key as the user typed it and the value (`optimizer.lr='abc' is not a number`),
@@ -17,11 +20,15 @@ is expected (`data.path=123`). Ranges and combinations stay with the factories, 
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
+import functools
 import inspect
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from importlib.resources import files
 from typing import Any, Literal
 
 from hydra.utils import get_object
@@ -64,12 +71,15 @@ class RunConfig:
 _HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 
 
-def check(cfg: DictConfig) -> RunConfig:
+def check(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> RunConfig:
     """Check `cfg` in place (converting values as the module docstring says) and return its top-level keys.
 
+    `choices`: Hydra's choice of option per group (`HydraConfig.get().runtime.choices`), where the caller has it: a
+    group given a list of options (`optimizer=[sgd,adam]`, which Hydra merges into one node) is refused only then.
     Raises `ConfigError` (a ValueError) with one line naming the first bad key; an interpolation that cannot be
     resolved raises OmegaConf's error, which `collsync.cli` prints as one line too.
     """
+    check_groups(cfg, choices)
     hints = typing.get_type_hints(RunConfig)
     # (node, key, the key as the user types it, its type), top-level keys first, then each group's.
     entries = [(cfg, f.name, f.name, hints[f.name]) for f in fields(RunConfig) if f.name in cfg]
@@ -86,19 +96,60 @@ def check(cfg: DictConfig) -> RunConfig:
     return RunConfig(**{f.name: values[f.name] for f in fields(RunConfig) if f.name in values})
 
 
+@functools.cache
+def _primary() -> tuple[dict[str, str], dict[str, list[str]]]:
+    """What `conf/config.yaml` says of its keys' kinds: its groups with their default options (`runtime: auto`, from
+    the defaults list; a group that defaults to null, such as `method`, is optional), and its own mappings with
+    their keys (`checkpoint: [every, seconds]`)."""
+    primary = OmegaConf.create(files("collsync.conf").joinpath("config.yaml").read_text())
+    groups = {}
+    for entry in primary.get("defaults", []):
+        if isinstance(entry, DictConfig):
+            groups |= {str(k): str(v) for k, v in entry.items() if v is not None and "@" not in str(k)}
+    mappings = {
+        str(k): [str(key) for key in v]
+        for k, v in primary.items()
+        if k not in ("defaults", "hydra") and isinstance(v, DictConfig)
+    }
+    return groups, mappings
+
+
+def check_groups(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> None:
+    """Each group of `conf/config.yaml` holds one option (a mapping with a `_target_`), and each of its own mappings
+    is still a mapping (or null), before any key inside them is read; ConfigError naming the group or key.
+
+    `choices` (Hydra's choice per group) tells a group given a list of options from one given a single option: the
+    composed node of `optimizer=[sgd,adam]` is the options merged, and Hydra records no choice for it.
+    """
+    groups, mappings = _primary()
+    for group, default in groups.items():
+        if group not in cfg or OmegaConf.is_missing(cfg, group):
+            raise ConfigError(f"{group}: no option is chosen (~{group} removes it): choose one, e.g. {group}={default}")
+        if choices is not None and group not in choices:
+            raise ConfigError(f"{group}: takes one option, not a list of them (several in turn: -m {group}=a,b)")
+        node = cfg[group]  # resolves an interpolation (OmegaConf raises, naming the key, if it cannot)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(
+                f"{group}={_show(_raw(cfg, group))} is not an option of {group}: choose one, e.g. {group}={default}"
+            )
+    for key, keys in mappings.items():
+        if key in cfg and not OmegaConf.is_missing(cfg, key) and not isinstance(cfg[key], (DictConfig, type(None))):
+            raise ConfigError(_not_mapping(key, _raw(cfg, key), keys))
+
+
+def _not_mapping(path: str, value: Any, keys: list[str]) -> str:
+    """The message for a scalar or a list where a mapping goes, naming the keys the mapping takes."""
+    takes = f": {path} takes keys ({', '.join(f'{path}.{k}=...' for k in keys)})" if keys else ""
+    return f"{path}={_show(value)} is not a mapping{takes}"
+
+
 def _group_keys(node: DictConfig, group: str) -> list[tuple[str, Any]]:
     """One group's keyword arguments checked against its factory's signature: each key with its annotation."""
     target = str(node._target_)
     try:
-        factory = get_object(target)
+        params, hints = _factory(target)
     except Exception as exc:  # noqa: BLE001 - any import or lookup failure is a bad _target_
         raise ConfigError(f"{group}._target_={target!r} cannot be imported ({type(exc).__name__})") from exc
-    signature = inspect.signature(factory)
-    try:
-        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
-    except (NameError, TypeError):  # an annotation that does not evaluate: check the names, not the types
-        hints = {}
-    params = signature.parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     keys = [str(k) for k in node.keys() if str(k) not in _HYDRA_KEYS]
     for key in keys:
@@ -113,6 +164,17 @@ def _group_keys(node: DictConfig, group: str) -> list[tuple[str, Any]]:
             if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD and name not in keys:
                 raise ConfigError(f"{group}.{name} is not set: {group} ({target}) needs it")
     return [(key, hints.get(key, Any)) for key in keys]
+
+
+@functools.cache
+def _factory(target: str) -> tuple[Mapping[str, inspect.Parameter], dict[str, Any]]:
+    """A `_target_`'s parameters and their annotations (cached: the config is checked more than once per run)."""
+    factory = get_object(target)
+    try:
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    except (NameError, TypeError):  # an annotation that does not evaluate: check the names, not the types
+        hints = {}
+    return inspect.signature(factory).parameters, hints
 
 
 def _raw(node: DictConfig, key: str) -> Any:
@@ -188,6 +250,11 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
         raise ConfigError(f"{path}={_show(value)} is not a string")
     if origin in (list, tuple, collections.abc.Sequence) or hint in (list, tuple):
         return _sequence(value, origin or hint, args, path)
+    if dataclasses.is_dataclass(hint) or origin in (dict, collections.abc.Mapping) or hint is dict:
+        if not isinstance(value, dict):  # its keys are typed where it is taken (`RunConfig.__post_init__`)
+            keys = [f.name for f in fields(hint)] if dataclasses.is_dataclass(hint) else []
+            raise ConfigError(_not_mapping(path, value, keys))
+        return value
     return value  # a type the config cannot spell (a tensor, a callable): the factory checks it
 
 
