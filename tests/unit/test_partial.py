@@ -10,12 +10,12 @@ from collsync.checks import check_trace
 from collsync.loops import apply_result, check_policy, run_partial
 from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rules import sgd
-from collsync.runtime.mpi_partial import (
+from collsync.runtime.mpi_partial import PartialResult
+from collsync.runtime.mpi_partial_windows import (
     OVERWRITTEN,
     PENDING,
     READY,
     SUMMING,
-    PartialResult,
     _posted_for,
     arrival_index,
     block,

@@ -1,0 +1,300 @@
+"""The windows and control words of the k-of-n partial allreduce (`mpi_partial`, whose docstring gives the
+protocol): their layout and encodings (pure helpers, no MPI), the atomics that read and write control words, the
+waits with their timeout messages, and the gate that frees a ring entry. `mpi_partial.PartialAllreduce` runs the
+rounds over them.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from collsync.runtime.mpi_rma import Backoff, Windows, poll_cap
+from collsync.runtime.mpi_world import rank_prefix
+from collsync.types import Flat
+
+T = TypeVar("T")
+
+_EMPTY = -1  # the tag of a ring entry no round has used yet
+_ENTRY_HEAD = 5  # tickets, tag, blocks, quorum, count (then ranks[n])
+
+PENDING, SUMMING, READY, OVERWRITTEN = "pending", "summing", "ready", "overwritten"
+
+
+# -- pure helpers (no MPI): the encodings the protocol relies on ----------------------------------------------------
+def writing_tag(round_: int) -> int:
+    """The tag of an entry whose mean for `round_` is being summed (its contributors known, each summing a block):
+    negative, distinct from `_EMPTY`."""
+    return -2 - round_
+
+
+def tag_state(tag: int, round_: int) -> str:
+    """What an entry's tag says to a reader of `round_`: PENDING (its quorum not yet in), SUMMING (the contributors
+    are summing their blocks), READY, or OVERWRITTEN (the entry has moved on to a later round: the mean is gone)."""
+    if tag == _EMPTY:
+        return PENDING
+    complete = tag >= 0
+    holds = tag if complete else -2 - tag
+    if holds > round_:
+        return OVERWRITTEN
+    if holds < round_:
+        return PENDING
+    return READY if complete else SUMMING
+
+
+def block(index: int, parts: int, numel: int) -> tuple[int, int]:
+    """[start, stop) of block `index` of `parts` nearly equal contiguous blocks of 0..numel-1 (some empty when
+    numel < parts)."""
+    return index * numel // parts, (index + 1) * numel // parts
+
+
+def arrival_index(ticket: int, round_: int, depth: int, size: int) -> int:
+    """A rank's arrival order in `round_` from the entry's cumulative ticket counter: each of the round // depth
+    earlier rounds of this entry took exactly `size` tickets, all before the first of this round (the gate)."""
+    return ticket - (round_ // depth) * size
+
+
+def split(contributors: Sequence[int], size: int) -> tuple[list[int], list[int]]:
+    """(contributors sorted, every other rank of 0..size-1 sorted): the lists every rank reports for a round."""
+    counted = sorted(contributors)
+    chosen = set(counted)
+    return counted, [r for r in range(size) if r not in chosen]
+
+
+def lagging(read: Sequence[int], round_: int, depth: int) -> list[int]:
+    """Ranks that have not read round `round_ - depth` yet, so `round_` may not reuse its ring entry."""
+    return [r for r, n in enumerate(read) if n < round_ - depth + 1]
+
+
+def check_call(numel: int, size: int, expected_round: int, got: int, quorum: int, tensor: Flat | None) -> None:
+    """Reject a call that would break the protocol, naming the value."""
+    if got != expected_round:
+        raise ValueError(f"partial allreduce: round={got}, expected round={expected_round} (rounds go 0, 1, 2, ...)")
+    if not 1 <= quorum <= size:
+        raise ValueError(f"partial allreduce: {quorum=} must be in 1..{size} (the world size)")
+    if tensor is not None and tensor.numel() != numel:
+        raise ValueError(f"partial allreduce: tensor has {tensor.numel()} elements, the windows hold {numel=}")
+
+
+class PartialWindows(Windows):
+    """The windows of a partial allreduce over `comm` and this rank's view of them (collective constructor; see
+    `mpi_partial.PartialAllreduce` for the arguments). `free()` (collective) releases them."""
+
+    def __init__(
+        self,
+        comm: Any,
+        numel: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        depth: int = 8,
+        host: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        from mpi4py import MPI  # lazily: collsync's modules import without an MPI library
+
+        size, rank = comm.Get_size(), comm.Get_rank()
+        _check_args(numel, dtype, depth, host, size, timeout)
+        self.MPI, self.comm = MPI, comm
+        self.numel, self.dtype, self.depth, self.host, self.timeout = numel, dtype, depth, host, timeout
+        self.size, self.rank = size, rank
+        self.round = 0  # the next round this rank reads
+        self._parts: Flat | None = None  # a contributor's block of each counted slot (see `_sum_block`), kept
+        self._who = rank_prefix(comm)
+        self._hosts: list[str] = comm.allgather(socket.gethostname())  # so a timeout names a late rank's host
+        self._np = np.float32 if dtype == torch.float32 else np.float64
+        self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
+        self._entry = _ENTRY_HEAD + size
+        self._posted = depth * self._entry
+        self._read = self._posted + size
+        self._summed = self._read + size
+        self._waited = self._summed + size
+        self._wins = self._allocate(rank == host)
+        self._full_comm = comm.Dup()  # full-quorum rounds' allreduce: never interleaved with the caller's collectives
+        self.win_slots, self.win_ring, self.win_ctrl = self._wins
+        self._floor = 0  # a lower bound on every rank's read counter (saves polling the gate)
+        self._stored_read = 0  # the value of read[rank] on the host (full rounds leave it behind: `_publish_read`)
+        self._full_rounds = [0] * depth  # per ring entry: the full-quorum rounds that took no ticket
+        self._stranded: int | None = None  # the full round whose allreduce timed out (nothing can follow it)
+        self._one = np.ones(1, dtype=np.int64)
+        self._val = np.zeros(1, dtype=np.int64)
+        self._res = np.zeros(1, dtype=np.int64)
+        self._backoff = Backoff(cap=poll_cap(comm))
+
+    # -- set-up and tear-down --------------------------------------------------------------------------------------
+    def _allocate(self, hosting: bool) -> tuple[Any, Any, Any]:
+        MPI, item = self.MPI, np.dtype(self._np).itemsize
+        words = self._waited + self.size
+        slots = MPI.Win.Allocate(self.size * self.numel * item if hosting else 0, item, comm=self.comm)
+        ring = MPI.Win.Allocate(self.depth * self.numel * item if hosting else 0, item, comm=self.comm)
+        ctrl = MPI.Win.Allocate(words * 8 if hosting else 0, 8, comm=self.comm)
+        if hosting:
+            # Before the epoch opens, the host may write its memory directly: no one can access it yet.
+            for win in (slots, ring):
+                np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 0
+            words_ = np.frombuffer(ctrl.tomemory(), dtype=np.int64)
+            words_[:] = 0
+            words_[1 : self._posted : self._entry] = _EMPTY  # every entry's tag
+            words_[self._posted : self._read] = -1  # no rank has posted any round
+            words_[self._summed :] = -1  # nor summed a block of one, nor waited in vain in a full round
+        self.comm.Barrier()  # initialised memory is in place before anyone reads it
+        for win in (slots, ring, ctrl):
+            win.Lock_all()
+        return slots, ring, ctrl
+
+    # -- control words (atomics, each completed by a Flush) --------------------------------------------------------
+    def _fetch(self, disp: int, value: int, op: Any) -> int:
+        self._val[0] = value
+        self.win_ctrl.Fetch_and_op(self._val, self._res, self.host, disp, op=op)
+        self.win_ctrl.Flush(self.host)
+        return int(self._res[0])
+
+    def _load(self, disp: int) -> int:
+        return self._fetch(disp, 0, self.MPI.NO_OP)
+
+    def _store(self, disp: int, value: int) -> None:
+        self._fetch(disp, value, self.MPI.REPLACE)
+
+    def _load_many(self, disp: int, count: int) -> np.ndarray:
+        """`count` words, each read atomically, in one Get_accumulate (not `count` round trips)."""
+        out = np.empty(count, dtype=np.int64)
+        target = (disp, count, self.MPI.INT64_T)
+        self.win_ctrl.Get_accumulate(
+            [np.zeros(count, dtype=np.int64), self.MPI.INT64_T],
+            [out, self.MPI.INT64_T],
+            self.host,
+            target=target,
+            op=self.MPI.NO_OP,
+        )
+        self.win_ctrl.Flush(self.host)
+        return out
+
+    def _store_many(self, disp: int, values: np.ndarray) -> None:
+        target = (disp, len(values), self.MPI.INT64_T)
+        self.win_ctrl.Accumulate([values, self.MPI.INT64_T], self.host, target=target, op=self.MPI.REPLACE)
+        self.win_ctrl.Flush(self.host)
+
+    def _entry_at(self, round_: int) -> int:
+        return (round_ % self.depth) * self._entry
+
+    def _ticket(self, round_: int) -> int:
+        """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per round)."""
+        return self._arrival(self._fetch(self._entry_at(round_), 1, self.MPI.SUM), round_)
+
+    def _arrival(self, ticket: int, round_: int) -> int:
+        """`arrival_index`, counting the entry's full rounds (which took no tickets) as never having used it."""
+        return arrival_index(ticket + self._full_rounds[round_ % self.depth] * self.size, round_, self.depth, self.size)
+
+    def _publish_read(self) -> None:
+        """Bring read[rank] up to date after full rounds, before this rank's partial call can wait on anyone."""
+        if self._stored_read < self.round:
+            self._store(self._read + self.rank, self.round)
+            self._stored_read = self.round
+
+    def _check_not_stranded(self) -> None:
+        if self._stranded is not None:
+            raise RuntimeError(
+                f"{self._who}: partial allreduce: round {self._stranded}'s allreduce timed out and is still posted; "
+                "this PartialAllreduce cannot go on (free it, and make a new one if the ranks recover)"
+            )
+
+    def free(self) -> None:
+        """Collective: close the epochs, free the windows and the full-quorum communicator."""
+        super().free()
+        if self._full_comm != self.MPI.COMM_NULL:  # freed already (mpi4py sets the handle to COMM_NULL)
+            self._full_comm.Free()
+
+    def latest(self) -> int:
+        """The highest round whose mean is complete in the ring (-1 if none; full-quorum rounds never use the
+        ring): for monitoring and tests."""
+        tags = [self._load(s * self._entry + 1) for s in range(self.depth)]
+        return max([t for t in tags if t >= 0], default=-1)
+
+    # -- waiting ---------------------------------------------------------------------------------------------------
+    def _poll(self, probe: Callable[[], T | None], describe: Callable[[], str]) -> T:
+        """Poll with backoff (ranks share cores) until `probe` answers; after `timeout` s, fail naming the cause."""
+        backoff = self._backoff
+        backoff.reset()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            got = probe()
+            if got is not None:
+                return got
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self._who}: partial allreduce: {describe()} after timeout={self.timeout}s")
+            backoff.wait()
+
+    def _gate(self, round_: int) -> None:
+        """Step 1: the ring entry of `round_` is free once every rank has read round `round_ - depth`."""
+        need = round_ - self.depth + 1
+        if self._floor >= need:
+            return
+        read = np.zeros(self.size, dtype=np.int64)
+
+        def probe() -> bool | None:
+            read[:] = self._load_many(self._read, self.size)
+            self._floor = int(read.min())
+            return True if self._floor >= need else None
+
+        def describe() -> str:
+            late = lagging(read.tolist(), round_, self.depth)
+            behind = ", ".join(f"rank {r} has read up to round {int(read[r]) - 1}" for r in late)
+            return (
+                f"round {round_} waits for ranks {late} to read round {round_ - self.depth} ({behind}; {self.depth=})"
+            )
+
+        self._poll(probe, describe)
+
+    def _late(self, round_: int) -> str:
+        """'; waiting on rank 2 on node17': the ranks that have not posted `round_`, for a timeout's message."""
+        posted = self._load_many(self._posted, self.size)
+        late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in range(self.size) if int(posted[r]) < round_)
+        return f"; waiting on {late}" if late else ""
+
+    def _unsummed(self, round_: int) -> str:
+        """'; waiting on rank 2 on node17 (its block)': the contributors of `round_` whose block is not summed."""
+        record = self._load_many(self._entry_at(round_) + 3, 2 + self.size)
+        summed = self._load_many(self._summed, self.size)
+        ranks = [int(r) for r in record[2 : 2 + int(record[1])]]
+        late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in ranks if int(summed[r]) < round_)
+        return f"; waiting on {late} (its block of the sum)" if late else ""
+
+    def _overwritten(self, round_: int) -> str:
+        return (
+            f"{self._who}: partial allreduce: the mean of round {round_} was overwritten by a later round "
+            f"(ring depth={self.depth}); the gate should have prevented this: do all ranks use the same depth?"
+        )
+
+
+def check_out(out: Flat, numel: int, dtype: torch.dtype) -> None:
+    """`out`, the buffer a round's mean is written into, must hold exactly the windows' vector."""
+    if out.numel() != numel or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"partial allreduce: out must be a contiguous {dtype} tensor of {numel} elements")
+
+
+def _posted_for(posted: np.ndarray, round_: int, quorum: int) -> list[int] | None:
+    """The ranks whose slot holds round `round_`, once `quorum` of them do (sorted: the summation order)."""
+    ranks = [r for r, p in enumerate(posted.tolist()) if p == round_]
+    if len(ranks) > quorum:
+        raise RuntimeError(
+            f"partial allreduce: round {round_} has {len(ranks)} contributions for {quorum=}: "
+            f"ranks {ranks} disagree on the quorum"
+        )
+    return ranks if len(ranks) == quorum else None
+
+
+def _check_args(numel: int, dtype: torch.dtype, depth: int, host: int, size: int, timeout: float | None) -> None:
+    if numel < 1:
+        raise ValueError(f"partial allreduce: {numel=} must be >= 1")
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"partial allreduce: dtype={dtype} must be torch.float32 or torch.float64")
+    if depth < 1:
+        raise ValueError(f"partial allreduce: {depth=} must be >= 1")
+    if not 0 <= host < size:
+        raise ValueError(f"partial allreduce: {host=} must be a rank in 0..{size - 1}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"partial allreduce: {timeout=} must be > 0 seconds (or None)")
