@@ -9,10 +9,10 @@ What `step()` does depends on the mode, one module per mode family behind the `_
   `collsync-train` uses too; or Horovod's own allreduce with `backend="horovod"`), honouring
   `compression`, `op`, `gradient_predivide_factor` and `backward_passes_per_step` as Horovod does; then your
   optimizer steps on every replica.
-* `backup` (no servers, `_partial_mode`): each step t is a k-of-n partial allreduce (`collsync.runtime.mpi_partial`): the first
-  n - b gradients of round t to arrive are averaged (000_..., Chen et al., Alg. 3-4), every replica applies that
-  same mean with your optimizer, and a gradient that came late is dropped and counted (`dropped`). A worker whose
-  round is already complete reads the mean without contributing.
+* `backup` (no servers, `_partial_mode`): each step t is a k-of-n partial allreduce (`runtime.mpi_partial`): the
+  first n - b gradients of round t to arrive are averaged (000_..., Chen et al., Alg. 3-4), every replica applies
+  that same mean with your optimizer, and a gradient that came late is dropped and counted (`dropped`). A worker
+  whose round is already complete reads the mean without contributing.
 * `async`, `ssp`, `psp`, `bfasgd`, `specsync` (and any mode once `init` reserved servers; `_server_mode`): the
   parameter server on MPI windows.
   `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
