@@ -15,10 +15,13 @@ address or link is made outside the namespaces this script creates. Names resolv
 Open MPI's `plm_ssh_agent`) runs in the host's namespace with the host's name (`unshare -u`), so ranks on different
 hosts share no memory and talk over TCP through the bridge.
 
-Link models are `tc netem` on both ends of a host's link (the host's egress and the bridge port's egress towards
-it): a message between two hosts crosses two links, so its one-way delay is the sum of both hosts' link delays and
-1% loss per link is about 2% per path. Presets: 10gbe (10 Gbit/s, 25 us), 1gbe (1 Gbit/s, 50 us), slow-host (5 ms),
-lossy (1% loss), none; or a spec such as `rate=1gbit,delay=50us,jitter=10us,loss=0.5%`.
+Link models sit on both ends of a host's link (the host's egress and the bridge port's egress towards it): a
+message between two hosts crosses both hosts' links, so its one-way delay is the sum of their delays (a model on
+one host only: that host's delay and loss). Presets: 10gbe (10 Gbit/s, 25 us), 1gbe (1 Gbit/s, 50 us), slow-host
+(5 ms), slow-link (20 Mbit/s), lossy (1% loss), none; or a spec such as `rate=1gbit,delay=50us,jitter=10us,loss=0.5%`.
+They are `tc netem` where the kernel has it. A kernel built without netem (some VMs' are) gets the rate from `tbf`
+and the loss from a BPF filter that drops packets at random (built with LLVM's llc); a delay cannot be made there,
+and asking for one fails saying so.
 
 Needs root (namespaces, veth, tc). Where it cannot make them, `up` writes one line to DIR/unavailable (tests/cluster
 skip with it), prints it and exits 1. `up` is idempotent (a complete cluster is kept, a partial one remade); `down`
@@ -45,10 +48,27 @@ PRESETS = {
     "10gbe": {"rate": "10gbit", "delay": "25us"},
     "1gbe": {"rate": "1gbit", "delay": "50us"},
     "slow-host": {"delay": "5ms"},
+    "slow-link": {"rate": "20mbit"},
     "lossy": {"loss": "1%"},
     "none": {},
 }
 ROOT = Path(__file__).resolve().parents[1]
+
+# Drops a packet when a random u32 is below THRESHOLD (TC_ACT_SHOT = 2, else TC_ACT_OK = 0); helper 7 is
+# bpf_get_prandom_u32. The license section lets the kernel load it.
+LOSS_IR = """target datalayout = "e-m:e-p:64:64-i64:64-i128:128-n32:64-S128"
+target triple = "bpf"
+@_license = global [4 x i8] c"GPL\\00", section "license", align 1
+@llvm.used = appending global [2 x i8*] [i8* getelementptr inbounds ([4 x i8], [4 x i8]* @_license, i32 0, i32 0),
+  i8* bitcast (i32 (i8*)* @drop to i8*)], section "llvm.metadata"
+define i32 @drop(i8* %skb) section "classifier" {
+  %r = call i64 inttoptr (i64 7 to i64 ()*)()
+  %u = and i64 %r, 4294967295
+  %lost = icmp ult i64 %u, THRESHOLD
+  %act = select i1 %lost, i32 2, i32 0
+  ret i32 %act
+}
+"""
 
 # MPICH's hydra and Open MPI's prte call the launcher as `launch HOST COMMAND...`; prte passes the command as one
 # shell string, hydra as words, so both are run by a shell inside the host's namespace with the host's name.
@@ -93,36 +113,130 @@ def state() -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def netem_args(model: str) -> list[str]:
-    """`tc qdisc ... netem` arguments for a preset or a `key=value,...` spec; [] for no model."""
+def parse_model(model: str) -> dict[str, str]:
+    """A preset or a `key=value,...` spec as {rate, delay, jitter, loss}; {} for no model."""
     if model in PRESETS:
-        spec = PRESETS[model]
-    else:
-        try:
-            spec = dict(part.split("=", 1) for part in model.split(",") if part)
-        except ValueError:
-            sys.exit(f"cluster: link model {model!r} is neither a preset ({', '.join(PRESETS)}) nor key=value,...")
-        unknown = set(spec) - {"rate", "delay", "jitter", "loss"}
-        if unknown:
-            sys.exit(f"cluster: link model {model!r}: unknown keys {sorted(unknown)} (rate, delay, jitter, loss)")
+        return dict(PRESETS[model])
+    try:
+        spec = dict(part.split("=", 1) for part in model.split(",") if part)
+    except ValueError:
+        sys.exit(f"cluster: link model {model!r} is neither a preset ({', '.join(PRESETS)}) nor key=value,...")
+    unknown = set(spec) - {"rate", "delay", "jitter", "loss"}
+    if unknown:
+        sys.exit(f"cluster: link model {model!r}: unknown keys {sorted(unknown)} (rate, delay, jitter, loss)")
+    return spec
+
+
+def netem_args(spec: dict[str, str]) -> list[str]:
     args: list[str] = []
     if "delay" in spec or "jitter" in spec:
         args += ["delay", spec.get("delay", "0us")] + ([spec["jitter"]] if "jitter" in spec else [])
-    if "rate" in spec:
-        args += ["rate", spec["rate"]]
-    if "loss" in spec:
-        args += ["loss", spec["loss"]]
+    for key in ("rate", "loss"):
+        args += [key, spec[key]] if key in spec else []
     return args
+
+
+def loss_filter(loss: str) -> Path:
+    """A tc BPF program (direct action) that drops each packet with probability `loss` ("1%"): for kernels without
+    netem (nor the gact action), built from LLVM IR with llc, since no C compiler for BPF may be installed."""
+    threshold = round(float(loss.rstrip("%")) / 100 * 2**32)
+    obj = DIR / f"loss-{threshold}.o"
+    if obj.exists():
+        return obj
+    llc = shutil.which("llc") or next((str(p) for p in sorted(Path("/usr/lib").glob("llvm-*/bin/llc"))), None)
+    if llc is None:
+        sys.exit("cluster: packet loss needs netem (CONFIG_NET_SCH_NETEM) or llc (LLVM) to build a BPF filter")
+    source = DIR / f"loss-{threshold}.ll"
+    source.write_text(LOSS_IR.replace("THRESHOLD", str(threshold)))
+    sh(llc, "-march=bpf", "-filetype=obj", "-o", str(obj), str(source))
+    return obj
+
+
+def without_netem(ns: str, dev: str, spec: dict[str, str]) -> None:
+    """Rate by tbf and loss by a BPF filter, on a kernel that has no netem: delay and jitter cannot be made."""
+    if "delay" in spec or "jitter" in spec:
+        sys.exit("cluster: a link delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this kernel lacks")
+    if "rate" in spec:
+        burst = max(int(rate_bits(spec["rate"]) / 8 / 1000), 16384)  # a millisecond of traffic, at least a few packets
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            spec["rate"],
+            "burst",
+            str(burst),
+            "latency",
+            "20ms",
+        )
+    if "loss" in spec:
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "clsact")
+        obj = loss_filter(spec["loss"])
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "filter",
+            "add",
+            "dev",
+            dev,
+            "egress",
+            "bpf",
+            "da",
+            "obj",
+            str(obj),
+            "sec",
+            "classifier",
+        )
+
+
+def rate_bits(rate: str) -> float:
+    """tc's rate words ("10gbit", "20mbit", "500kbit") in bits per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    sys.exit(f"cluster: rate {rate!r}: give it in gbit, mbit or kbit")
 
 
 def set_link(host: str, model: str) -> None:
     """Put `model` on both ends of `host`'s link (or take every model off for `none`)."""
-    args = netem_args(model)
+    spec = parse_model(model)
     for ns, dev in ((host, "eth0"), (SWITCH, host)):
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-        if args:
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", *args)
-    print(f"cluster: {host}'s link: {model} ({' '.join(args) or 'no netem'})")
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "clsact", check=False)
+        if not spec:
+            continue
+        proc = sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "netem",
+            *netem_args(spec),
+            check=False,
+        )
+        if proc.returncode != 0:
+            if "unknown" not in proc.stderr:
+                sys.exit(f"cluster: tc netem on {host}'s link: {proc.stderr.strip()}")
+            without_netem(ns, dev, spec)
+    print(f"cluster: {host}'s link: {model} ({', '.join(f'{k} {v}' for k, v in spec.items()) or 'no model'})")
 
 
 def unavailable(why: str) -> None:
@@ -226,8 +340,8 @@ def down(quiet: bool = False) -> None:
         Path("/etc/netns").rmdir()  # only when empty: other namespaces' files stay
     except OSError:
         pass
-    for name in ("cluster.json", "unavailable"):
-        (DIR / name).unlink(missing_ok=True)
+    for path in [DIR / "cluster.json", DIR / "unavailable", *DIR.glob("loss-*.*")]:
+        path.unlink(missing_ok=True)
     shutil.rmtree(DIR / "bin", ignore_errors=True)
     try:
         DIR.rmdir()

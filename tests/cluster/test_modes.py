@@ -1,0 +1,59 @@
+"""`collsync-train` in every mode across three hosts, under MPICH and under Open MPI: one launch per MPI runs every
+case (tests/cluster/hosts_runs.py), with rank 0 on node0, ranks 1-2 on node1 and ranks 3-4 on node2, so that the
+server and the workers, PSP's two shards and the allreduce's peers talk over TCP between hosts."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.box import finished, launch_runs, rank_hosts
+
+HOSTS = "node0:1,node1:2,node2:2"
+STEPS = 150
+MODES = {
+    "async": ["sync=async"],
+    "ssp": ["sync=ssp"],
+    "psp-2-shards": ["sync=psp", "runtime.servers=2"],
+    "backup-on-servers": ["sync=backup", "sync.backups=1"],
+    "partial": ["runtime=partial", "sync=backup", "sync.backups=1", "steps=50"],
+    "allreduce": ["runtime=allreduce", "sync=bsp", "steps=50"],
+    "specsync": ["sync=specsync", "optimizer=sgd"],
+}
+Launch = tuple[Path, subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def launched(box: None, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Launch]:
+    """The launch of every mode under an MPI, made once, on the first test that asks for it."""
+    done: dict[str, Launch] = {}
+
+    def get(mpi: str) -> Launch:
+        if mpi not in done:
+            folder = tmp_path_factory.mktemp(f"modes-{mpi}")
+            runs = {name: [f"steps={STEPS}", "eval_every=50", *o] for name, o in MODES.items()}
+            done[mpi] = folder, launch_runs(mpi, HOSTS, 5, folder, runs)
+        return done[mpi]
+
+    return get
+
+
+def test_ranks_are_on_three_hosts(launched, mpi):
+    folder, proc = launched(mpi)
+    assert (folder / "hosts.json").is_file(), proc.stderr[-3000:]
+    assert rank_hosts(folder) == ["node0", "node1", "node1", "node2", "node2"]
+
+
+@pytest.mark.parametrize("case", list(MODES))
+def test_every_mode_trains_across_hosts(launched, mpi, case):
+    folder, proc = launched(mpi)
+    result = finished(folder, proc, case)
+    checks = result["trace_checks"]
+    assert checks["updates"] == STEPS
+    assert checks["pushed"] == checks["applied"] + checks["dropped"]
+    assert result["best_acc"] >= 0.8, result["best_acc"]
+    if "runtime.servers=2" in MODES[case]:
+        assert [shard["updates"] for shard in result["shards"]] == [STEPS, STEPS]
