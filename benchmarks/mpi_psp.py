@@ -46,7 +46,7 @@ def main() -> None:
         "stragglers._target_=collsync.stragglers.Stragglers",
         "+stragglers.compute=gamma_heterogeneous",
         f"+stragglers.slow_server={args.slow_server}",
-        "+stragglers.slow_shard=1",
+        "+stragglers.shard=1",
     ]
     configs = {
         "naive sync": ["sync.push_fraction=null", "sync.pull_fraction=1.0"],

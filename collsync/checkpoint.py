@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from collsync.rules.base import plain, unplain  # noqa: F401  (rule-state algebra, kept importable from here)
+
 FORMAT = 1
 NAME = "checkpoint.pt"
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
@@ -46,39 +48,6 @@ class Preempted(Exception):
         super().__init__(message)
         self.signum = signum
         self.code = 128 + signum
-
-
-# -- rule states as plain lists -------------------------------------------------------------------------------
-
-
-def plain(state: Any) -> Any:
-    """A rule state (NamedTuples of tensors and numbers, nested in tuples by `chain`) as nested lists."""
-    if isinstance(state, tuple):
-        return [plain(s) for s in state]
-    return state
-
-
-def unplain(template: Any, saved: Any, what: str) -> Any:
-    """The inverse of `plain`, shaped by `template` (the state a fresh `Rule.init` gives): the saved leaves in the
-    template's NamedTuples, after checking that the two have the same structure and tensor shapes."""
-    if isinstance(template, tuple):
-        named = hasattr(template, "_fields")
-        if not isinstance(saved, list) or (named and len(saved) != len(template)):
-            raise ValueError(f"checkpoint: the saved {what} state does not fit this config's {what}")
-        if not named and len(saved) != len(template):
-            # A tuple that grows as training goes (DANA's per-worker momenta): the saved one, as it was.
-            return tuple(_tuples(s) for s in saved)
-        items = [unplain(t, s, what) for t, s in zip(template, saved, strict=True)]
-        return type(template)(*items) if named else tuple(items)
-    if isinstance(template, torch.Tensor):
-        if not isinstance(saved, torch.Tensor) or saved.shape != template.shape:
-            raise ValueError(f"checkpoint: the saved {what} state does not fit this config's {what}")
-        return saved.to(template.dtype)
-    return saved
-
-
-def _tuples(saved: Any) -> Any:
-    return tuple(_tuples(s) for s in saved) if isinstance(saved, list) else saved
 
 
 # -- files --------------------------------------------------------------------------------------------------

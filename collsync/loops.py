@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from collsync.flat import FlatModel
 from collsync.policy import SyncPolicy
-from collsync.rules.fasgd import bfasgd_probability
-from collsync.runtime import Collective, Mailbox, Partial, PartialResult
+from collsync.runtime import Collective, Mailbox, Partial, PartialResult, ServingMailbox
 from collsync.server import Server
 from collsync.specsync import Aborted
 from collsync.types import Arrival, Flat, Stamp
@@ -59,11 +58,12 @@ class Worker:
     version: int = 0
     steps: int = 0
     seed: int = 0
-    v: float = 0.0
+    signal: float = 0.0  # the server's last published `Stamp.signal` (B-FASGD's v)
     fetches: int = 0
 
     def __post_init__(self) -> None:
-        # B-FASGD's coin flips: a private stream per worker, so runs are reproducible and runtimes agree.
+        # The policy's `Transmit` coin flips (B-FASGD): a private stream per worker, so runs are reproducible and
+        # runtimes agree.
         self._rng = random.Random(self.seed * 1_000_003 + self.rank)
 
     def state_dict(self) -> dict[str, Any]:
@@ -73,26 +73,28 @@ class Worker:
             "clock": self.clock,
             "version": self.version,
             "steps": self.steps,
-            "v": self.v,
+            "signal": self.signal,
             "fetches": self.fetches,
             "rng": [rng[0], list(rng[1]), rng[2]],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.clock, self.version, self.steps = int(state["clock"]), int(state["version"]), int(state["steps"])
-        self.v, self.fetches = float(state["v"]), int(state["fetches"])
+        self.signal, self.fetches = float(state["signal"]), int(state["fetches"])
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
 
     def will_fetch(self) -> bool:
-        """B-FASGD: fetch at this opportunity? (Always for other policies, and for a worker that has nothing yet.)"""
-        c = self.policy.c_fetch
-        return c is None or self.steps == 0 or self._rng.random() < bfasgd_probability(self.v, c)
+        """Fetch at this opportunity? The policy's `transmit` decides (B-FASGD); always without one, and for a
+        worker that has nothing yet."""
+        t = self.policy.transmit
+        return t is None or self.steps == 0 or t.fetch(self._rng, self.signal)
 
     def will_push(self) -> bool:
-        """B-FASGD: push this gradient? (The first one always goes: the server has nothing to repeat yet.)"""
-        c = self.policy.c_push
-        return c is None or self.steps == 0 or self._rng.random() < bfasgd_probability(self.v, c)
+        """Push this gradient? The policy's `transmit` decides (B-FASGD); always without one, and the first one
+        always goes: the server has nothing to repeat yet."""
+        t = self.policy.transmit
+        return t is None or self.steps == 0 or t.push(self._rng, self.signal)
 
     def ready(self, stamp: Stamp) -> bool:
         """May this worker start its next gradient on parameters at `stamp`? (SSP bound, BSP barrier.)"""
@@ -100,7 +102,7 @@ class Worker:
 
     def begin(self, stamp: Stamp, fetched: bool = True) -> int:
         """Start a gradient on parameters at `stamp` (or, a fetch skipped, on those it had); returns its round."""
-        self.v = stamp.v
+        self.signal = stamp.signal
         if fetched:
             self.clock = self.policy.next_clock(self.clock, stamp.version)
             self.version = stamp.version
@@ -177,9 +179,9 @@ def _speculative(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat, 
             speculator.computing = -1
             speculator.report(worker.clock, worker.version, (time.monotonic() - started) / speculator.scale)
             # Any version will do: it is newer than the one the aborted gradient was on, which the policy allowed.
-            before = getattr(mailbox, "bytes_fetched", 0)
+            before = mailbox.bytes_fetched
             stamp = mailbox.read(params, lambda _: True)
-            speculator.resync_bytes += getattr(mailbox, "bytes_fetched", 0) - before
+            speculator.resync_bytes += mailbox.bytes_fetched - before
             if stamp.done:
                 return None
             worker.restart(stamp)
@@ -197,7 +199,7 @@ _BETWEEN_POLL_S = 0.25
 
 def run_server(
     server: Server,
-    mailbox: Mailbox,
+    mailbox: ServingMailbox,
     on_update: Callable[[Server], None] | None = None,
     *,
     until_left: bool = False,
@@ -213,8 +215,8 @@ def run_server(
 
     `until_left`: the workers' own loops decide when training ends (`collsync.torch`), not `server.steps`. The
     server stops (`Server.stop`) once every worker left a stream policy, or once any worker left a round policy
-    (the rounds it would have joined can no longer complete); the others then read `done`. The mailbox must offer
-    `departed()` (the workers that left).
+    (the rounds it would have joined can no longer complete); the others then read `done` (`departed()` names
+    the workers that left).
 
     `publish_delay`: a slow server (`stragglers=slow_server`): after each update it stays busy that many seconds
     before workers see the new version, as the simulator models it.
@@ -248,16 +250,15 @@ def run_server(
         if arrival is not None:
             last = now
             server.accept(arrival)
-            recycle = getattr(mailbox, "recycle", None)
-            if recycle is not None and not server.holds(arrival.grad):
-                recycle(arrival.grad)  # no allocation per receive: its buffer takes the next gradient
+            if not server.holds(arrival.grad):
+                mailbox.recycle(arrival.grad)  # no allocation per receive: its buffer takes the next gradient
         elif flush_at is not None and now >= flush_at:
             server.expire(server.version)
         elif flush_at is None and policy.deadline is not None and now - last >= policy.deadline:
-            raise TimeoutError(_stuck_message(server, getattr(mailbox, "describe", None)))
+            raise TimeoutError(_stuck_message(server, mailbox.describe))
         if until_left and (arrival is None or now - looked >= _LEFT_POLL_S):
             looked = now
-            left = mailbox.departed()  # type: ignore[attr-defined]
+            left = mailbox.departed()
             if left and (policy.rounds or len(left) == server.workers):
                 server.stop()
         if server.version != before or server.done:
@@ -274,10 +275,10 @@ def run_server(
     return server
 
 
-def _stuck_message(server: Server, describe: Callable[[list[int]], str] | None = None) -> str:
+def _stuck_message(server: Server, describe: Callable[[list[int]], str]) -> str:
     got = {a.worker for a in server.pending.get(server.version, [])}
     missing = [w for w in range(server.workers) if w not in got]
-    named = describe(missing) if describe is not None else f"worker(s) {missing}"
+    named = describe(missing)
     return (
         f"{server.policy.name}: round {server.version} got no gradient within deadline={server.policy.deadline}s; "
         f"waiting on {named}"
@@ -295,7 +296,7 @@ def run_allreduce(
     """Serverless BSP: every rank holds a replica of the server; the mean gradient comes from an allreduce.
 
     Each replica applies the same mean with the same rule, so replicas stay identical without a broadcast.
-    `averaged=True`: `grads` returns the mean over ranks already (`mpi_coll.BucketReducer.averaged` reduces it in
+    `averaged=True`: `grads` returns the mean over ranks already (`mpi_buckets.BucketReducer.averaged` reduces it in
     buckets during the backward pass), so no allreduce is added here.
     """
     # Every round every rank computes one gradient: its batch index is the version (also after a resume).

@@ -22,9 +22,45 @@ lines 8-15): a worker starts once that fraction of the shards published the roun
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
+from collsync.rules.fasgd import bfasgd_probability
 from collsync.specsync import Speculation
+
+
+@dataclass(frozen=True)
+class Transmit:
+    """B-FASGD's bandwidth control (002_... §2.3, eq. 9): at each opportunity a worker pushes (fetches) iff
+
+        r < 1 / (1 + c / (signal + eps)),   r uniform in [0, 1),   c = `c_push` (`c_fetch`)
+
+    where `signal` is the scalar the server last published (`Stamp.signal`: FASGD's v). None never skips; c = 0
+    always transmits. A skipped push makes the server re-apply the worker's last gradient, a skipped fetch keeps
+    the worker on the parameters it has. One draw from the worker's own `rng` per decision with a c, none without.
+    """
+
+    c_push: float | None = None
+    c_fetch: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("c_push", "c_fetch"):
+            value = getattr(self, key)
+            if value is not None and not value >= 0:
+                raise ValueError(f"bfasgd: {key}={value!r} must be >= 0")
+
+    def push(self, rng: random.Random, signal: float) -> bool:
+        """Push this gradient?"""
+        return self.c_push is None or rng.random() < bfasgd_probability(signal, self.c_push)
+
+    def fetch(self, rng: random.Random, signal: float) -> bool:
+        """Fetch the parameters at this opportunity?"""
+        return self.c_fetch is None or rng.random() < bfasgd_probability(signal, self.c_fetch)
+
+
+def transmit(c_push: float | None, c_fetch: float | None) -> Transmit | None:
+    """The `Transmit` of these probabilities' constants, or None when both are None (every push and fetch made)."""
+    return None if c_push is None and c_fetch is None else Transmit(c_push, c_fetch)
 
 
 @dataclass(frozen=True)
@@ -38,8 +74,7 @@ class SyncPolicy:
     max_lead: int | None = 0
     timeout: float | None = None
     deadline: float | None = None
-    c_push: float | None = None
-    c_fetch: float | None = None
+    transmit: Transmit | None = None  # B-FASGD (002_... eq. 9): workers push and fetch with a probability
     pull_fraction: float = 1.0
     pull_timeout: float | None = None
     push_fraction: float | None = None
@@ -68,16 +103,16 @@ class SyncPolicy:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"{self.name}: {key}={value!r} must be > 0 seconds")
-        for key in ("c_push", "c_fetch"):
-            value = getattr(self, key)
-            if value is not None and not value >= 0:
-                raise ValueError(f"{self.name}: {key}={value!r} must be >= 0")
-            if value is not None and self.rounds:
-                raise ValueError(f"{self.name}: {key} (B-FASGD) needs an asynchronous policy (sync=async)")
-        if self.speculation is not None and (self.bandwidth_aware or self.quorum not in (None, 1) or self.backups):
+        t = self.transmit
+        if t is not None and self.rounds:
+            raise ValueError(
+                f"{self.name}: c_push={t.c_push}, c_fetch={t.c_fetch} (B-FASGD) needs an asynchronous policy "
+                "(sync=bfasgd or sync=async)"
+            )
+        if self.speculation is not None and (t is not None or self.quorum not in (None, 1) or self.backups):
             raise ValueError(
                 f"{self.name}: speculation runs over ASP (quorum 1) or SSP; got quorum={self.quorum}, "
-                f"backups={self.backups}, c_push={self.c_push}, c_fetch={self.c_fetch}"
+                f"backups={self.backups}, transmit={t}"
             )
         # Timeouts are ordered: collecting (tau1) and pulling (tau2) give up on stragglers long before the deadline
         # that declares the run stuck.
@@ -104,8 +139,9 @@ class SyncPolicy:
 
     @property
     def bandwidth_aware(self) -> bool:
-        """B-FASGD (002_... eq. 9): workers push and fetch with a probability set by the server's v."""
-        return self.c_push is not None or self.c_fetch is not None
+        """Workers may skip pushes and fetches (B-FASGD's `transmit`): the server then keeps each worker's last
+        gradient to re-apply, and the workers need its `Stamp.signal`."""
+        return self.transmit is not None
 
     def quorum_for(self, workers: int) -> int:
         """The number of gradients one update averages (the divisor N of 000_... Alg. 4)."""
@@ -154,9 +190,7 @@ def asynchronous(
     """ASGD (001_... Alg. 1-2) with quorum 1; with quorum c > 1, updates of c gradients, and with a `timeout`, an
     update of whatever came within `timeout` seconds of its first gradient (for PSP's rounds, see `psp`).
 
-    `c_push` / `c_fetch` make it B-FASGD (002_... eq. 9, with optimizer=fasgd): at each opportunity a worker
-    pushes (fetches) iff r < 1 / (1 + c / (v + eps)), r uniform in [0, 1); a skipped push re-applies the worker's
-    last gradient on the server, a skipped fetch keeps the worker on the parameters it has.
+    `c_push` / `c_fetch` make it B-FASGD, as `bfasgd` does (there under its own name).
     """
     return SyncPolicy(
         "async",
@@ -164,8 +198,30 @@ def asynchronous(
         quorum=quorum,
         max_lead=None,
         timeout=timeout,
-        c_push=c_push,
-        c_fetch=c_fetch,
+        transmit=transmit(c_push, c_fetch),
+        deadline=deadline,
+    )
+
+
+def bfasgd(
+    c_push: float | None = 0.1,
+    c_fetch: float | None = 0.1,
+    quorum: int = 1,
+    timeout: float | None = None,
+    deadline: float | None = DEADLINE,
+) -> SyncPolicy:
+    """B-FASGD (002_... §2.3, eq. 9; with optimizer=fasgd, whose v the server publishes): ASGD whose workers push
+    (fetch) at each opportunity iff r < 1 / (1 + c_push / (v + eps)) (c_fetch), r uniform in [0, 1) (`Transmit`);
+    a skipped push re-applies the worker's last gradient on the server, a skipped fetch keeps the worker on the
+    parameters it has. `quorum`, `timeout` and `deadline` as in `asynchronous`.
+    """
+    return SyncPolicy(
+        "bfasgd",
+        rounds=False,
+        quorum=quorum,
+        max_lead=None,
+        timeout=timeout,
+        transmit=transmit(c_push, c_fetch),
         deadline=deadline,
     )
 

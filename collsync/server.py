@@ -7,6 +7,9 @@ optimizer:
     g_bar = (1/Q) sum_i g'_i                    Q = quorum, summed in worker order             (per update)
     theta <- theta + optimizer(g_bar);  version <- version + 1;  theta_ema <- a theta_ema + (1 - a) theta
 
+The rules report their own statistics (`Rule.stats`): the server records them on each `apply` event (one value
+per gradient) and publishes the optimizer's `SIGNAL` to the workers with every version (`Stamp.signal`).
+
 Summing in worker order (not arrival order) makes an update independent of message timing, so a simulated run and
 an MPI run of the same config agree bit for bit where the arrivals agree.
 """
@@ -18,10 +21,8 @@ from typing import Any
 
 import torch
 
-from collsync.checkpoint import plain, unplain
 from collsync.policy import SyncPolicy
-from collsync.rules.base import Rule, identity
-from collsync.rules.fasgd import bfasgd_v
+from collsync.rules.base import SIGNAL, Rule, identity, plain, unplain
 from collsync.trace import Trace
 from collsync.types import Arrival, Context, Flat, Stamp
 
@@ -78,8 +79,13 @@ class Server:
         self._history: dict[int, Flat] = {}
         # B-FASGD: each worker's last gradient, re-applied when it skips a push.
         self._last: dict[int, Flat] = {}
-        if policy.bandwidth_aware:
-            bfasgd_v(self.opt_state)  # fails now, naming the fix, unless the optimizer is FASGD
+        stats = self._optimizer_stats()
+        self.signal = stats.get(SIGNAL, 0.0)  # what `stamp` publishes (`Stamp.signal`)
+        if policy.bandwidth_aware and SIGNAL not in stats:
+            raise ValueError(
+                f"sync={policy.name}: workers decide to push and fetch from the optimizer's signal, and this optimizer "
+                "publishes none; B-FASGD needs optimizer=fasgd"
+            )
         self._oldest = [0] * workers
         self._armed: int | None = None  # the version whose collection timeout is running (see `arm`)
         # What each worker has sent (gradients received, its last round): where a resumed worker picks up.
@@ -99,8 +105,10 @@ class Server:
         self.drain()
 
     def stamp(self) -> Stamp:
-        v = bfasgd_v(self.opt_state) if self.policy.bandwidth_aware else 0.0
-        return Stamp(self.version, self.done, v)
+        return Stamp(self.version, self.done, self.signal)
+
+    def _optimizer_stats(self) -> dict[str, float]:
+        return self.optimizer.stats(self.opt_state) if self.optimizer.stats is not None else {}
 
     def view(self) -> Flat:
         """The parameters workers read: theta itself, or a rule's look-ahead (DANA)."""
@@ -221,7 +229,7 @@ class Server:
     def _apply(self, batch: list[Arrival]) -> None:
         batch = sorted(batch, key=lambda a: (a.worker, a.clock))
         total: Flat | None = None
-        gaps: list[float | None] = []
+        stats: dict[str, list[float]] = {}  # the penalty's statistics, one per gradient
         for a in batch:
             ctx = Context(
                 step=self.version,
@@ -232,12 +240,14 @@ class Server:
                 aggregated=len(batch),
             )
             g, self.pen_state = self.penalty.update(a.grad, self.pen_state, self.params, ctx)
-            gaps.append(_gap(self.pen_state))
+            if self.penalty.stats is not None:
+                for key, value in self.penalty.stats(self.pen_state).items():
+                    stats.setdefault(key, []).append(value)
             total = self._owned(g) if total is None else total.add_(g)
         assert total is not None  # a batch is never empty: _advance and flush check
         if len(batch) > 1:  # x / 1 is x exactly: one pass saved on every asynchronous update
             total.div_(len(batch))
-        self._step(total, batch, gaps)
+        self._step(total, batch, stats)
 
     def apply_mean(self, mean: Flat, batch: list[Arrival]) -> None:
         """Apply an already averaged gradient (serverless allreduce: every rank's replica does this)."""
@@ -256,7 +266,7 @@ class Server:
             self._scratch = torch.empty_like(self.params)
         return self._scratch.copy_(g)
 
-    def _step(self, mean: Flat, batch: list[Arrival], gaps: list[float | None] | None = None) -> None:
+    def _step(self, mean: Flat, batch: list[Arrival], stats: dict[str, list[float]] | None = None) -> None:
         first = batch[0]
         ctx = Context(
             step=self.version,
@@ -283,18 +293,15 @@ class Server:
             self.ema.mul_(self.ema_decay).add_(self.params, alpha=1.0 - self.ema_decay)
         if self.needs_read:
             self._remember(batch)
-        extra: dict[str, object] = {}
-        if len(batch) == 1 and (gaps is None or gaps[0] is None):
-            gaps = [_gap(self.opt_state)]  # a Gap measured inside the optimizer (Adam-GA)
-        if gaps and all(g is not None for g in gaps):
-            extra["gap"] = gaps
+        opt = self._optimizer_stats()
+        self.signal = opt.pop(SIGNAL, 0.0)  # published with the new version (`stamp`), not recorded
         self._note(
             "apply",
             version=self.version,
             workers=[a.worker for a in batch],
             clocks=[a.clock for a in batch],
             staleness=staleness,
-            **extra,
+            **_recorded(stats or {}, opt, len(batch)),
         )
 
     def _remember(self, batch: list[Arrival]) -> None:
@@ -309,7 +316,7 @@ class Server:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything `load_state_dict` needs to go on exactly from here, in types `torch.load(weights_only=True)`
-        reads back: tensors, numbers, lists and dicts (rule states as nested lists, see `checkpoint.plain`)."""
+        reads back: tensors, numbers, lists and dicts (rule states as nested lists, see `rules.base.plain`)."""
         return {
             "params": self.params,
             "ema": self.ema,
@@ -349,6 +356,7 @@ class Server:
         self._armed = state["armed"]
         self.received, self.clocks = list(state["received"]), list(state["clocks"])
         self._view = None
+        self.signal = self._optimizer_stats().get(SIGNAL, 0.0)
 
     def _note(self, ev: str, **fields: object) -> None:
         if self.trace is not None:
@@ -371,21 +379,16 @@ def _finite(t: Flat) -> bool:
     return math.isfinite(float(t.sum()))
 
 
+def _recorded(stats: dict[str, list[float]], opt: dict[str, float], gradients: int) -> dict[str, list[float]]:
+    """The statistics an `apply` event records, each a list of one value per gradient: the penalty's `stats`, and
+    the optimizer's `opt` where the update holds one gradient (its statistic is then that gradient's: Adam-GA's
+    Gap). A key both report keeps the penalty's."""
+    if gradients == 1:
+        for key, value in opt.items():
+            stats.setdefault(key, [value])
+    return stats
+
+
 def _first_bad(t: Flat) -> str:
     bad = (~torch.isfinite(t)).nonzero()
     return f"{int(bad.numel())} of {t.numel()} values, the first {t[int(bad[0])].item()} at index {int(bad[0])}"
-
-
-def _gap(state: object) -> float | None:
-    """The mean Gap a Gap-Aware rule measured for its last gradient, wherever it sits in a (nested) state."""
-    gap = getattr(state, "gap", None)
-    if isinstance(gap, float):
-        return gap
-    if gap is not None:
-        return _gap(gap)
-    if isinstance(state, tuple):
-        for item in state:
-            found = _gap(item)
-            if found is not None:
-                return found
-    return None

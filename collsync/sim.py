@@ -182,8 +182,8 @@ class Simulator:
         fetch = worker.will_fetch()
         clock = worker.begin(stamp, fetched=fetch)
         if fetch:
-            # B-FASGD workers that skip a fetch keep computing on their own copy.
-            self._held[w] = server.view().clone() if server.policy.c_fetch is not None else server.view()
+            # Workers that may skip a fetch (B-FASGD) keep computing on their own copy.
+            self._held[w] = server.view().clone() if server.policy.bandwidth_aware else server.view()
         extra = {"fetched": fetch} if server.policy.bandwidth_aware else {}
         self.trace.record("start", worker=w, clock=clock, version=worker.version, **extra)
         if self.scheduler is not None and worker.steps > 0:

@@ -9,8 +9,8 @@ G(alpha, mu / alpha) has mean mu and coefficient of variation V):
   G(a_task, p[j] / a_task): some machines are slow all the time (V_mach = 0.6 in the paper).
 
 Message delays: with probability `delay_prob` a gradient's message is late by `delay` seconds (003_...: 0.16% of
-pulls delayed by 4 s). Frozen workers stop at `frozen_at` and never send again. `slow_server` is extra seconds the
-server of shard `slow_shard` spends on each update before its workers see it (a slow parameter server, 003_...):
+pulls delayed by 4 s). Frozen workers (`worker`) stop at time `at` and never send again. `slow_server` is extra
+seconds the server of shard `shard` spends on each update before its workers see it (a slow parameter server, 003_...):
 the simulator holds its server busy that long, real runs with injected stragglers sleep it (times the time scale).
 
 Every draw is a pure function of (seed, worker, index): numpy generators seeded with [seed, stream, worker, block]
@@ -21,7 +21,7 @@ however many workers exist, and no global RNG is touched.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,7 +37,9 @@ class Stragglers:
 
     `compute` is "constant" (every batch takes `mean` seconds), "gamma_homogeneous" (Alg. 12) or
     "gamma_heterogeneous" (Alg. 13); `v_task` and `v_mach` are the CVB coefficients of variation (used by the gamma
-    kinds only). The other fields combine freely with any compute model.
+    kinds only). The other fields combine freely with any compute model. Each field is named as the config key
+    that sets it (`stragglers.worker`, `stragglers.at`, `stragglers.shard`, ...); `worker` is the frozen worker (an
+    int) or several of them (a sequence), None for none.
     """
 
     compute: str = "constant"
@@ -46,14 +48,15 @@ class Stragglers:
     v_mach: float = 0.1
     delay_prob: float = 0.0
     delay: float = 0.0
-    frozen: tuple[int, ...] = field(default_factory=tuple)
-    frozen_at: float = 0.0
+    worker: int | tuple[int, ...] | None = None
+    at: float = 0.0
     slow_server: float = 0.0
-    slow_shard: int = 0
+    shard: int = 0
 
     def __post_init__(self) -> None:
         # Hydra hands over a ListConfig; keep a tuple so the dataclass stays hashable.
-        object.__setattr__(self, "frozen", tuple(int(w) for w in self.frozen))
+        w = self.worker
+        object.__setattr__(self, "worker", None if w is None else int(w) if isinstance(w, int) else tuple(map(int, w)))
         if self.compute not in _KINDS:
             raise ValueError(f"stragglers: compute={self.compute!r} must be one of {', '.join(_KINDS)}")
         if not (self.mean > 0 and math.isfinite(self.mean)):
@@ -65,14 +68,20 @@ class Stragglers:
                     raise ValueError(f"stragglers: {key}={value} must be > 0 for compute={self.compute!r}")
         if not 0.0 <= self.delay_prob <= 1.0:
             raise ValueError(f"stragglers: delay_prob={self.delay_prob} must be in [0, 1]")
-        for key in ("delay", "frozen_at", "slow_server"):
+        for key in ("delay", "at", "slow_server"):
             value = getattr(self, key)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"stragglers: {key}={value} must be >= 0 seconds")
-        if self.slow_shard < 0:
-            raise ValueError(f"stragglers: slow_shard={self.slow_shard} must be a shard index >= 0")
+        if self.shard < 0:
+            raise ValueError(f"stragglers: shard={self.shard} must be a shard index >= 0")
         if any(w < 0 for w in self.frozen):
-            raise ValueError(f"stragglers: frozen={list(self.frozen)} must hold worker indices >= 0")
+            raise ValueError(f"stragglers: worker={self.worker} must name workers by index >= 0")
+
+    @property
+    def frozen(self) -> tuple[int, ...]:
+        """The workers that freeze at time `at` (from `worker`)."""
+        w = self.worker
+        return () if w is None else (w,) if isinstance(w, int) else w
 
     def sampler(self, workers: int, seed: int) -> StragglerSampler:
         """Draws of this model for `workers` workers under `seed`."""
@@ -92,9 +101,7 @@ class StragglerSampler:
             raise ValueError(f"stragglers: {seed=} must be >= 0 (it seeds numpy's SeedSequence)")
         outside = [w for w in model.frozen if w >= workers]
         if outside:
-            raise ValueError(
-                f"stragglers: frozen={list(model.frozen)} names worker(s) {outside} outside 0..{workers - 1}"
-            )
+            raise ValueError(f"stragglers: worker={model.worker} names worker(s) {outside} outside 0..{workers - 1}")
         self.model, self.workers, self.seed = model, workers, seed
         m = model
         self._shape = np.ones(workers)
@@ -152,7 +159,7 @@ class StragglerSampler:
 
     def is_frozen(self, worker: int, t: float) -> bool:
         """Has `worker` stopped for good by time `t` (seconds since the start)?"""
-        return worker in self.model.frozen and t >= self.model.frozen_at
+        return worker in self.model.frozen and t >= self.model.at
 
 
 def order_statistic_mean(sampler: StragglerSampler, workers: int, k: int, rounds: int) -> float:
@@ -193,10 +200,10 @@ def rare_delays(mean: float = 1.0, delay_prob: float = 0.0016, delay: float = 4.
 
 def frozen_worker(worker: int = 0, at: float = 10.0, mean: float = 1.0) -> Stragglers:
     """Worker `worker` stops for good at time `at` seconds (a hung or SIGSTOPped rank)."""
-    return Stragglers("constant", mean=mean, frozen=(worker,), frozen_at=at)
+    return Stragglers("constant", mean=mean, worker=worker, at=at)
 
 
 def slow_server(seconds: float = 1.0, shard: int = 0, mean: float = 1.0) -> Stragglers:
     """A slow parameter server (003_...): the server of shard `shard` spends `seconds` more on every update before
     its workers see it; every batch takes `mean` seconds."""
-    return Stragglers("constant", mean=mean, slow_server=seconds, slow_shard=shard)
+    return Stragglers("constant", mean=mean, slow_server=seconds, shard=shard)

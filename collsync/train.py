@@ -171,14 +171,10 @@ def _check_fit(parts: Parts, workers: int | None) -> None:
     slow = parts.stragglers.slow_server if parts.stragglers is not None else 0.0
     if slow and parts.runtime.kind in ("allreduce", "partial") and parts.runtime.inject_stragglers:
         raise ValueError(f"stragglers.slow_server={slow} needs a server: use runtime=mpi, not {parts.runtime.kind}")
-    if slow and parts.runtime.kind != "mpi" and parts.stragglers.slow_shard != 0:
-        raise ValueError(
-            f"stragglers: slow_shard={parts.stragglers.slow_shard} needs runtime=mpi with that many servers"
-        )
-    if slow and parts.runtime.kind == "mpi" and parts.stragglers.slow_shard >= parts.runtime.servers:
-        raise ValueError(
-            f"stragglers: slow_shard={parts.stragglers.slow_shard} must be < runtime.servers={parts.runtime.servers}"
-        )
+    if slow and parts.runtime.kind != "mpi" and parts.stragglers.shard != 0:
+        raise ValueError(f"stragglers.shard={parts.stragglers.shard} needs runtime=mpi with that many servers")
+    if slow and parts.runtime.kind == "mpi" and parts.stragglers.shard >= parts.runtime.servers:
+        raise ValueError(f"stragglers.shard={parts.stragglers.shard} must be < runtime.servers={parts.runtime.servers}")
     if parts.runtime.kind == "partial":
         from collsync.loops import check_policy
 
@@ -444,7 +440,7 @@ def _run_shards(run: _Launch) -> dict[str, Any] | None:
             server.load_state_dict(resumed["server"])
             trace.resume(resumed["events"], shift_clock=True)
         model = parts.stragglers
-        slow = run.sampler is not None and model.slow_server > 0 and shards.rank == model.slow_shard
+        slow = run.sampler is not None and model.slow_server > 0 and shards.rank == model.shard
         # A worker stopped, hung or died, or training diverged: keep what was trained before the error ends the run.
         save = (lambda why: _save_incomplete(run, server, trace, shards, evaluate, why)) if shards.rank == 0 else None
         between: Callable[[Server], None] | None = None

@@ -48,9 +48,10 @@ class Context(NamedTuple):
 
 
 class Stamp(NamedTuple):
-    """What a worker learns when it reads: the server version it got, whether training is over, and B-FASGD's v
-    (002_... eq. 9: the mean of FASGD's moving averages, which sets the chance to push or fetch; 0 otherwise)."""
+    """What a worker learns when it reads: the server version it got, whether training is over, and `signal`, a
+    scalar the server's optimizer publishes to its workers (its `SIGNAL` statistic, `collsync.rules.base`; 0.0 when
+    it reports none). A policy's `Transmit` reads it: B-FASGD's chance to push or fetch follows FASGD's v."""
 
     version: int
     done: bool = False
-    v: float = 0.0
+    signal: float = 0.0

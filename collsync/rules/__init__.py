@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from collsync.rules.adam_variants import AdamGAState, AdamSAState, adam_ga, adam_sa
-from collsync.rules.base import EmptyState, Rule, chain, identity, params_unchanged
+from collsync.rules.base import SIGNAL, EmptyState, Rule, chain, identity, params_unchanged
 from collsync.rules.dana import DANAState, dana
-from collsync.rules.fasgd import FASGDState, bfasgd_probability, bfasgd_v, fasgd
+from collsync.rules.fasgd import FASGDState, bfasgd_probability, fasgd
 from collsync.rules.gap import GapAwareState, gap_aware
 from collsync.rules.optim import adam, momentum, nesterov, rmsprop, sgd
 from collsync.rules.schedule import GradualWarmupState, LinearScalingState, gradual_warmup, linear_scaling
@@ -39,6 +39,7 @@ from collsync.rules.staleness import (
 )
 
 __all__ = [
+    "SIGNAL",
     "AdamGAState",
     "AdamSAState",
     "DANAState",
@@ -54,7 +55,6 @@ __all__ = [
     "adam_ga",
     "adam_sa",
     "bfasgd_probability",
-    "bfasgd_v",
     "chain",
     "combine",
     "dana",

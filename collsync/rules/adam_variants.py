@@ -14,15 +14,15 @@ one arrival (quorum 1): its staleness and, for Adam-GA, the parameters the worke
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from collsync.rules.base import Rule, check_lr, check_positive, check_tau, check_unit, warmup_lr, zeros_like
+from collsync.rules.base import Rule, check_lr, check_tau
 from collsync.rules.gap import GapAwareState, Spans, gap_rule
+from collsync.rules.optim import adam_first_moment
 from collsync.rules.staleness import TauMode, staleness_aware
-from collsync.types import Context, Flat, State
+from collsync.types import State
 
 
 class AdamSAState(NamedTuple):
@@ -65,7 +65,7 @@ def adam_sa(
     def unwrap(state: AdamSAState) -> State:
         return penalty.init(state.m)  # SA is stateless
 
-    return _adam_first_moment("adam_sa", penalty, wrap, unwrap, lr, beta1, beta2, eps, weight_decay, warmup)
+    return adam_first_moment("adam_sa", penalty, wrap, unwrap, lr, beta1, beta2, eps, weight_decay, warmup)
 
 
 def adam_ga(
@@ -109,44 +109,4 @@ def adam_ga(
     def unwrap(state: AdamGAState) -> State:
         return state.gap
 
-    return _adam_first_moment("adam_ga", penalty, wrap, unwrap, lr, beta1, beta2, eps, weight_decay, warmup)
-
-
-def _adam_first_moment(
-    name: str,
-    penalty: Rule,
-    wrap: Callable[[torch.Tensor, torch.Tensor, int, State], State],
-    unwrap: Callable[[State], State],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    warmup: int,
-) -> Rule:
-    """Adam with `penalty` applied to the gradient entering the first moment only (same arithmetic, in the same
-    order, as `collsync.rules.optim.adam`, so an identity penalty reproduces it bit for bit). `wrap` builds this
-    rule's state from (m, u, count, penalty state); `unwrap` gets the penalty state back."""
-    check_lr(name, lr)
-    check_unit(name, "beta1", beta1)
-    check_unit(name, "beta2", beta2)
-    check_positive(name, "eps", eps)
-    if weight_decay < 0:
-        raise ValueError(f"{name}: {weight_decay=} must be >= 0")
-
-    def init(params: Flat) -> State:
-        return wrap(zeros_like(params), zeros_like(params), 0, penalty.init(params))
-
-    def update(grad: Flat, state: State, params: Flat, ctx: Context) -> tuple[Flat, State]:
-        if weight_decay:
-            grad = grad + weight_decay * params
-        penalised, pen_state = penalty.update(grad, unwrap(state), params, ctx)
-        count = state.count + 1
-        m = state.m * beta1 + (1 - beta1) * penalised
-        u = state.u * beta2 + (1 - beta2) * grad * grad
-        m_hat = m / (1 - beta1**count)
-        u_hat = u / (1 - beta2**count)
-        delta = m_hat / (torch.sqrt(u_hat) + eps) * -warmup_lr(lr, warmup, ctx.step)
-        return delta, wrap(m, u, count, pen_state)
-
-    return Rule(init, update, needs_read=penalty.needs_read)
+    return adam_first_moment("adam_ga", penalty, wrap, unwrap, lr, beta1, beta2, eps, weight_decay, warmup)

@@ -8,11 +8,18 @@ parameters; `collsync.server.Server.accept` is the only place parameters change.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
 from collsync.types import Context, Flat, State
+
+SIGNAL = "signal"
+"""The statistic a rule publishes to the workers: the server sends it with every version (`Stamp.signal`), and a
+policy's `Transmit` turns it into the chance to push or fetch (B-FASGD's v, 002_... eq. 9, from `fasgd`)."""
+
+Stats = Callable[[State], dict[str, float]]
+"""A rule's statistics of its last update, read from its state: e.g. Gap-Aware's mean Gap ("gap", 001_... Fig. 4)."""
 
 
 def params_unchanged(params: Flat, state: State) -> Flat:
@@ -31,6 +38,10 @@ class Rule(NamedTuple):
     state, so a step allocates nothing (a fresh 20 MB tensor per update costs more than the arithmetic: the kernel
     zero-fills its pages); everyone else calls the pure `update`. `pure(update_)` makes the one from the other,
     so the two cannot drift apart.
+
+    `stats` (optional) reports the rule's own statistics from its state, so that nothing else needs to know how the
+    state is laid out: the server records them on its `apply` events and publishes the one under `SIGNAL` to the
+    workers. A wrapper passes its inner rule's through; `chain` merges them.
     """
 
     init: Callable[[Flat], State]
@@ -38,6 +49,7 @@ class Rule(NamedTuple):
     view: Callable[[Flat, State], Flat] = params_unchanged
     needs_read: bool = False
     update_: Callable[[Flat, State, Flat, Context], tuple[Flat, State]] | None = None
+    stats: Stats | None = None
 
 
 def pure(update_: Callable[[Flat, State, Flat, Context], tuple[Flat, State]]) -> Callable[..., tuple[Flat, State]]:
@@ -119,7 +131,39 @@ def chain(*rules: Rule) -> Rule:
             params = rule.view(params, s)
         return params
 
-    return Rule(init, update, view, any(r.needs_read for r in rules), update_)
+    def stats(state: tuple[State, ...]) -> dict[str, float]:
+        merged: dict[str, float] = {}
+        for rule, s in zip(rules, state, strict=True):
+            if rule.stats is not None:
+                for key, value in rule.stats(s).items():
+                    merged.setdefault(key, value)  # a key two rules report: the earlier rule's
+        return merged
+
+    reports = any(r.stats is not None for r in rules)
+    return Rule(init, update, view, any(r.needs_read for r in rules), update_, stats if reports else None)
+
+
+def inner_stats(rule: Rule, inner: Callable[[State], State]) -> Stats | None:
+    """The `stats` of a wrapper of `rule` whose state holds `rule`'s at `inner(state)`: the wrapped rule's own."""
+    if rule.stats is None:
+        return None
+    stats = rule.stats
+    return lambda state: stats(inner(state))
+
+
+def check_decay(name: str, weight_decay: float) -> None:
+    """Reject a negative weight decay lambda, naming the rule and the value."""
+    if weight_decay < 0:
+        raise ValueError(f"{name}: {weight_decay=} must be >= 0")
+
+
+def decayed(grad: Flat, params: Flat, weight_decay: float, *, in_place: bool = False) -> Flat:
+    """g + lambda theta: weight decay added to the gradient (001_... App. C.5): a new tensor, or `grad` itself
+    overwritten when `in_place` (an `update_` that owns it). `grad` untouched when lambda = 0, so that a rule without
+    decay computes exactly what it would without the term."""
+    if not weight_decay:
+        return grad
+    return grad.add_(weight_decay * params) if in_place else grad + weight_decay * params
 
 
 def check_lr(name: str, lr: float) -> None:
@@ -170,3 +214,37 @@ def step_lr(lr: float, warmup: int, step: int, milestones: tuple[int, ...] = (),
 def zeros_like(params: Flat) -> torch.Tensor:
     """A fresh zero buffer the shape of the parameters (rules own their buffers)."""
     return torch.zeros_like(params)
+
+
+# -- rule states as plain lists (checkpoints) --------------------------------------------------------------------
+
+
+def plain(state: Any) -> Any:
+    """A rule state (NamedTuples of tensors and numbers, nested in tuples by `chain`) as nested lists: what
+    `torch.load(weights_only=True)` reads back."""
+    if isinstance(state, tuple):
+        return [plain(s) for s in state]
+    return state
+
+
+def unplain(template: Any, saved: Any, what: str) -> Any:
+    """The inverse of `plain`, shaped by `template` (the state a fresh `Rule.init` gives): the saved leaves in the
+    template's NamedTuples, after checking that the two have the same structure and tensor shapes."""
+    if isinstance(template, tuple):
+        named = hasattr(template, "_fields")
+        if not isinstance(saved, list) or (named and len(saved) != len(template)):
+            raise ValueError(f"checkpoint: the saved {what} state does not fit this config's {what}")
+        if not named and len(saved) != len(template):
+            # A tuple that grows as training goes (DANA's per-worker momenta): the saved one, as it was.
+            return tuple(_tuples(s) for s in saved)
+        items = [unplain(t, s, what) for t, s in zip(template, saved, strict=True)]
+        return type(template)(*items) if named else tuple(items)
+    if isinstance(template, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != template.shape:
+            raise ValueError(f"checkpoint: the saved {what} state does not fit this config's {what}")
+        return saved.to(template.dtype)
+    return saved
+
+
+def _tuples(saved: Any) -> Any:
+    return tuple(_tuples(s) for s in saved) if isinstance(saved, list) else saved

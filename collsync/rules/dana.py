@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from collsync.rules.base import Rule, check_lr, check_milestones, check_unit, step_lr, zeros_like
+from collsync.rules.base import Rule, check_decay, check_lr, check_milestones, check_unit, decayed, step_lr, zeros_like
 from collsync.types import Context, Flat
 
 
@@ -48,8 +48,7 @@ def dana(
     """
     check_lr("dana", lr)
     check_unit("dana", "momentum", momentum)
-    if weight_decay < 0:
-        raise ValueError(f"dana: {weight_decay=} must be >= 0")
+    check_decay("dana", weight_decay)
     steps = check_milestones("dana", milestones, lr_decay)
 
     def init(params: Flat) -> DANAState:
@@ -66,8 +65,7 @@ def dana(
         vs = state.v
         if i >= len(vs):
             vs = vs + tuple(zeros_like(params) for _ in range(len(vs), max(ctx.workers, i + 1)))
-        if weight_decay:
-            grad = grad + weight_decay * params
+        grad = decayed(grad, params, weight_decay)
         old = vs[i]
         new = old * momentum + grad
         # The sum is kept incrementally (O(d) per update instead of O(workers * d)); its rounding drift is of the

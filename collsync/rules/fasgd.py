@@ -4,8 +4,10 @@ FASGD is an *optimizer*, not a penalty: its step alpha / (v tau) replaces SGD's 
 rescaled by 1/v, so it cannot be a penalty that leaves a fresh gradient unchanged in front of some base optimizer.
 Configure it as `penalty=none optimizer=fasgd`.
 
-B-FASGD's worker-side logic (drawing r, dropping pushes/fetches, re-applying a worker's last gradient) lives with the
-loops; this module gives what they need from the server: `bfasgd_probability(v, c, eps)` and `bfasgd_v(state)`.
+B-FASGD's worker-side logic (drawing r, dropping pushes/fetches) is the policy's `collsync.policy.Transmit`, and the
+server re-applies a worker's last gradient; this module gives what they need: `fasgd` reports the scalar v of
+eq. 9 (the mean of its per-parameter v) as its `SIGNAL` statistic, which the server publishes with every version,
+and `bfasgd_probability(v, c, eps)` is eq. 9 itself.
 
 A note on the paper: its prose says FASGD *divides* the learning rate by a moving average of the gradient standard
 deviation, and that eq. 9's v is "the mean of the moving averages of their standard deviations"; its equations
@@ -19,9 +21,9 @@ from typing import NamedTuple
 
 import torch
 
-from collsync.rules.base import Rule, check_lr, check_positive, check_unit, zeros_like
+from collsync.rules.base import SIGNAL, Rule, check_lr, check_positive, check_unit, zeros_like
 from collsync.rules.staleness import TauMode, check_tau, staleness_tau
-from collsync.types import Context, Flat, State
+from collsync.types import Context, Flat
 
 
 class FASGDState(NamedTuple):
@@ -65,7 +67,12 @@ def fasgd(
         delta = grad * (-lr / staleness_tau(ctx, tau)) / v
         return delta, FASGDState(n, b, v)
 
-    return Rule(init, update)
+    return Rule(init, update, stats=fasgd_stats)
+
+
+def fasgd_stats(state: FASGDState) -> dict[str, float]:
+    """B-FASGD's v of eq. 9, "the mean of the moving averages" (over every parameter), as the rule's `SIGNAL`."""
+    return {SIGNAL: float(state.v.mean())}
 
 
 def bfasgd_probability(v: float | torch.Tensor, c: float, eps: float = 1e-8) -> float:
@@ -81,23 +88,3 @@ def bfasgd_probability(v: float | torch.Tensor, c: float, eps: float = 1e-8) -> 
     if not v_mean >= 0:
         raise ValueError(f"bfasgd: v={v_mean!r} must be >= 0 (a mean of 1 / std)")
     return 1.0 / (1.0 + c / (v_mean + eps))
-
-
-def bfasgd_v(state: State) -> float:
-    """The scalar v of eq. 9 (mean of FASGD's per-parameter v), found in a rule state however it is nested
-    (`chain`, wrappers): e.g. `bfasgd_v(server.opt_state)`."""
-    found = _find_fasgd(state)
-    if found is None:
-        raise ValueError("bfasgd: no FASGD state found; B-FASGD needs optimizer=fasgd")
-    return float(found.v.mean())
-
-
-def _find_fasgd(state: State) -> FASGDState | None:
-    if isinstance(state, FASGDState):
-        return state
-    if isinstance(state, tuple):
-        for item in state:
-            found = _find_fasgd(item)
-            if found is not None:
-                return found
-    return None

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from collsync.rules.base import Rule, check_positive, check_unit, zeros_like
+from collsync.rules.base import Rule, check_decay, check_positive, check_unit, decayed, zeros_like
 from collsync.types import Context, Flat
 
 GRANULARITIES = ("parameter", "layer", "global")
@@ -95,8 +95,7 @@ def gap_rule(
     check_unit(name, "beta", beta)
     check_positive(name, eps_key, eps)
     check_unit(name, "momentum", momentum)
-    if weight_decay < 0:
-        raise ValueError(f"{name}: {weight_decay=} must be >= 0")
+    check_decay(name, weight_decay)
     if granularity not in GRANULARITIES:
         raise ValueError(f"{name}: {granularity=} must be one of {GRANULARITIES}")
     spans = _check_spans(name, layers) if layers is not None and granularity == "layer" else None
@@ -118,7 +117,7 @@ def gap_rule(
                 f"{name}: ctx.read is None; the server fills it for rules with needs_read=True, and for an optimizer "
                 "only when an update holds one gradient (sync=async, quorum 1)"
             )
-        g = grad + weight_decay * params if weight_decay else grad
+        g = decayed(grad, params, weight_decay)
         count = state.count + 1
         v = state.v * momentum + g
         correction = 1 - beta**count
@@ -135,7 +134,12 @@ def gap_rule(
         # At theta_read == theta_k the Gap is exactly 1 and g / 1 == g: a fresh gradient passes unchanged.
         return g / gap, GapAwareState(v, m, count, float(gap.mean()))
 
-    return Rule(init, update, needs_read=True)
+    return Rule(init, update, needs_read=True, stats=gap_stats)
+
+
+def gap_stats(state: GapAwareState) -> dict[str, float]:
+    """The mean Gap G of the last gradient penalised (001_... Fig. 4 plots it against the delay)."""
+    return {"gap": state.gap}
 
 
 def _check_spans(name: str, layers: Spans) -> Spans:

@@ -7,6 +7,7 @@ update (001_... C.5 puts it inside the penalised gradient, which a penalty upstr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -14,21 +15,20 @@ import torch
 from collsync.rules.base import (
     EmptyState,
     Rule,
+    check_decay,
     check_lr,
     check_milestones,
     check_positive,
     check_unit,
+    decayed,
+    identity,
+    inner_stats,
     pure,
     step_lr,
     warmup_lr,
     zeros_like,
 )
-from collsync.types import Context, Flat
-
-
-def _check_decay(name: str, weight_decay: float) -> None:
-    if weight_decay < 0:
-        raise ValueError(f"{name}: {weight_decay=} must be >= 0")
+from collsync.types import Context, Flat, State
 
 
 def sgd(
@@ -41,15 +41,14 @@ def sgd(
     """Plain SGD: delta = -eta_k * (g + lambda * theta), eta_k as `collsync.rules.base.step_lr` (warm-up, and lr x
     lr_decay at each of `milestones`, 001_... App. C.4)."""
     check_lr("sgd", lr)
-    _check_decay("sgd", weight_decay)
+    check_decay("sgd", weight_decay)
     steps = check_milestones("sgd", milestones, lr_decay)
 
     def init(params: Flat) -> EmptyState:
         return EmptyState()
 
     def update_(grad: Flat, state: EmptyState, params: Flat, ctx: Context) -> tuple[Flat, EmptyState]:
-        if weight_decay:
-            grad.add_(weight_decay * params)
+        grad = decayed(grad, params, weight_decay, in_place=True)
         return grad.mul_(-step_lr(lr, warmup, ctx.step, steps, lr_decay)), state
 
     return Rule(init, pure(update_), update_=update_)
@@ -79,7 +78,7 @@ def momentum(
     name = "nesterov" if nesterov else "momentum"
     check_lr(name, lr)
     check_unit(name, "momentum", momentum)
-    _check_decay(name, weight_decay)
+    check_decay(name, weight_decay)
     steps = check_milestones(name, milestones, lr_decay)
 
     def init(params: Flat) -> MomentumState:
@@ -88,8 +87,7 @@ def momentum(
     def update_(grad: Flat, state: MomentumState, params: Flat, ctx: Context) -> tuple[Flat, MomentumState]:
         # The same operations, in the same order, as v * gamma + g and (g + gamma v) * -eta: no fused
         # multiply-add, so the in-place step equals the pure one bit for bit.
-        if weight_decay:
-            grad.add_(weight_decay * params)
+        grad = decayed(grad, params, weight_decay, in_place=True)
         v = state.v.mul_(momentum).add_(grad)
         eta = step_lr(lr, warmup, ctx.step, steps, lr_decay)
         if nesterov:
@@ -141,15 +139,14 @@ def rmsprop(
     check_unit("rmsprop", "decay", decay)
     check_unit("rmsprop", "momentum", momentum)
     check_positive("rmsprop", "eps", eps)
-    _check_decay("rmsprop", weight_decay)
+    check_decay("rmsprop", weight_decay)
     steps = check_milestones("rmsprop", milestones, lr_decay)
 
     def init(params: Flat) -> RMSPropState:
         return RMSPropState(zeros_like(params), zeros_like(params))
 
     def update(grad: Flat, state: RMSPropState, params: Flat, ctx: Context) -> tuple[Flat, RMSPropState]:
-        if weight_decay:
-            grad = grad + weight_decay * params
+        grad = decayed(grad, params, weight_decay)
         ms = state.ms * decay + (1 - decay) * grad * grad
         mom = state.mom * momentum + step_lr(lr, warmup, ctx.step, steps, lr_decay) * grad / torch.sqrt(ms + eps)
         return -mom, RMSPropState(ms, mom)
@@ -173,25 +170,57 @@ def adam(
     weight_decay: float = 0.0,
     warmup: int = 0,
 ) -> Rule:
-    """Adam (Kingma & Ba): m <- b1 m + (1-b1) g; u <- b2 u + (1-b2) g^2; delta = -eta m_hat / (sqrt(u_hat) + eps)."""
-    check_lr("adam", lr)
-    check_unit("adam", "beta1", beta1)
-    check_unit("adam", "beta2", beta2)
-    check_positive("adam", "eps", eps)
-    _check_decay("adam", weight_decay)
+    """Adam (Kingma & Ba): m <- b1 m + (1-b1) g; u <- b2 u + (1-b2) g^2; delta = -eta m_hat / (sqrt(u_hat) + eps).
 
-    def init(params: Flat) -> AdamState:
-        return AdamState(zeros_like(params), zeros_like(params), 0)
+    The block `adam_first_moment` with no penalty: Adam-SA and Adam-GA (`collsync.rules.adam_variants`) are the
+    same block with theirs, so the three cannot drift apart."""
 
-    def update(grad: Flat, state: AdamState, params: Flat, ctx: Context) -> tuple[Flat, AdamState]:
-        if weight_decay:
-            grad = grad + weight_decay * params
+    def wrap(m: torch.Tensor, u: torch.Tensor, count: int, pen: State) -> AdamState:
+        return AdamState(m, u, count)
+
+    def unwrap(state: AdamState) -> State:
+        return EmptyState()  # the identity's state
+
+    return adam_first_moment("adam", identity(), wrap, unwrap, lr, beta1, beta2, eps, weight_decay, warmup)
+
+
+def adam_first_moment(
+    name: str,
+    penalty: Rule,
+    wrap: Callable[[torch.Tensor, torch.Tensor, int, State], State],
+    unwrap: Callable[[State], State],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    warmup: int,
+) -> Rule:
+    """Adam with `penalty` applied to the gradient entering the first moment only (001_... App. C.1):
+
+        g <- g + lambda theta;  m <- beta1 m + (1 - beta1) penalty(g);  u <- beta2 u + (1 - beta2) g^2
+        delta = -eta_k m_hat / (sqrt(u_hat) + eps),   m_hat = m / (1 - beta1^k),  u_hat = u / (1 - beta2^k)
+
+    `wrap` builds the rule's state from (m, u, count, penalty state); `unwrap` gets the penalty state back. The
+    penalty's statistics are the rule's (Adam-GA's Gap). Errors name `name`."""
+    check_lr(name, lr)
+    check_unit(name, "beta1", beta1)
+    check_unit(name, "beta2", beta2)
+    check_positive(name, "eps", eps)
+    check_decay(name, weight_decay)
+
+    def init(params: Flat) -> State:
+        return wrap(zeros_like(params), zeros_like(params), 0, penalty.init(params))
+
+    def update(grad: Flat, state: State, params: Flat, ctx: Context) -> tuple[Flat, State]:
+        grad = decayed(grad, params, weight_decay)
+        penalised, pen_state = penalty.update(grad, unwrap(state), params, ctx)
         count = state.count + 1
-        m = state.m * beta1 + (1 - beta1) * grad
+        m = state.m * beta1 + (1 - beta1) * penalised
         u = state.u * beta2 + (1 - beta2) * grad * grad
         m_hat = m / (1 - beta1**count)
         u_hat = u / (1 - beta2**count)
         delta = m_hat / (torch.sqrt(u_hat) + eps) * -warmup_lr(lr, warmup, ctx.step)
-        return delta, AdamState(m, u, count)
+        return delta, wrap(m, u, count, pen_state)
 
-    return Rule(init, update)
+    return Rule(init, update, needs_read=penalty.needs_read, stats=inner_stats(penalty, unwrap))

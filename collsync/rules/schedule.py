@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from collsync.rules.base import Rule
+from collsync.rules.base import Rule, inner_stats
 from collsync.types import Context, Flat, State
 
 
@@ -61,7 +61,7 @@ def gradual_warmup(optimizer: Rule, warmup: int, workers: int = 1) -> Rule:
             return base
         return params + (base - params) * state.factor
 
-    return Rule(init, update, view, optimizer.needs_read)
+    return Rule(init, update, view, optimizer.needs_read, stats=inner_stats(optimizer, lambda s: s.inner))
 
 
 class LinearScalingState(NamedTuple):
@@ -93,7 +93,7 @@ def linear_scaling(optimizer: Rule, c: int = 1) -> Rule:
     def view(params: Flat, state: LinearScalingState) -> Flat:
         return optimizer.view(params, state.inner)
 
-    return Rule(init, update, view, optimizer.needs_read)
+    return Rule(init, update, view, optimizer.needs_read, stats=inner_stats(optimizer, lambda s: s.inner))
 
 
 def _check_rule(name: str, optimizer: object) -> None:

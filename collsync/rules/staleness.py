@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from collsync.rules.base import TAU_MODES, Rule, TauMode, check_tau
+from collsync.rules.base import TAU_MODES, Rule, TauMode, check_decay, check_tau, decayed, inner_stats
 from collsync.types import Context, Flat, State
 
 __all__ = ["TAU_MODES", "TauMode", "check_tau", "staleness_aware", "staleness_aware_step", "staleness_tau"]
@@ -57,8 +57,7 @@ def staleness_aware(tau: TauMode = "staleness", weight_decay: float = 0.0) -> Ru
     SASGD (002_... eq. 1).
     """
     check_tau("staleness_aware", tau)
-    if weight_decay < 0:
-        raise ValueError(f"staleness_aware: {weight_decay=} must be >= 0")
+    check_decay("staleness_aware", weight_decay)
     mode = tau
 
     def init(params: Flat) -> StalenessAwareState:
@@ -66,8 +65,7 @@ def staleness_aware(tau: TauMode = "staleness", weight_decay: float = 0.0) -> Ru
 
     def update(grad: Flat, state: StalenessAwareState, params: Flat, ctx: Context) -> tuple[Flat, StalenessAwareState]:
         tau = staleness_tau(ctx, mode)
-        if weight_decay:
-            grad = grad + weight_decay * params
+        grad = decayed(grad, params, weight_decay)
         # tau == 1 returns the gradient itself so that a fresh gradient gives the base optimizer bit for bit.
         return (grad if tau == 1 else grad / tau), state
 
@@ -106,4 +104,4 @@ def staleness_aware_step(optimizer: Rule, tau: TauMode = "staleness") -> Rule:
     def view(params: Flat, state: StalenessAwareStepState) -> Flat:
         return optimizer.view(params, state.inner)
 
-    return Rule(init, update, view, optimizer.needs_read)
+    return Rule(init, update, view, optimizer.needs_read, stats=inner_stats(optimizer, lambda s: s.inner))

@@ -15,7 +15,10 @@ from collsync.types import Arrival, Flat, Stamp
 
 
 class Mailbox(Protocol):
-    """Worker side: `read` and `send`; server side: `recv`, `publish` and `close`."""
+    """Worker side: `read` and `send`; server side: `recv`, `publish` and `close` (a server loop needs the few
+    more of `ServingMailbox`). `bytes_fetched` counts the parameter bytes this side has read so far."""
+
+    bytes_fetched: int
 
     def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
         """Block until the published stamp satisfies `ready`, then copy the published parameters into `out`
@@ -28,9 +31,7 @@ class Mailbox(Protocol):
         ...
 
     def recv(self, timeout: float | None = None) -> Arrival | None:
-        """The next gradient, or None if none came within `timeout` seconds. A mailbox may also offer
-        `recycle(grad)`: `run_server` hands back each gradient the server no longer holds, and its buffer takes a
-        later receive (so whoever keeps an arrival past `Server.accept` keeps a copy)."""
+        """The next gradient, or None if none came within `timeout` seconds."""
         ...
 
     def publish(self, params: Flat, stamp: Stamp) -> None:
@@ -40,6 +41,23 @@ class Mailbox(Protocol):
     def close(self, timeout: float | None = None) -> list[Arrival]:
         """After the final (done) publish: wait for every worker to stop (at most `timeout` seconds, then a
         `TimeoutError` naming the workers still out); return gradients still in flight."""
+        ...
+
+
+class ServingMailbox(Mailbox, Protocol):
+    """The server side of a `Mailbox` as `loops.run_server` drives it."""
+
+    def recycle(self, grad: Flat | None) -> None:
+        """A received gradient the server no longer holds (`Server.holds`): its buffer may take a later receive (so
+        whoever keeps an arrival past `Server.accept` keeps a copy)."""
+        ...
+
+    def describe(self, workers: list[int]) -> str:
+        """How errors name these workers (e.g. by rank and host)."""
+        ...
+
+    def departed(self) -> list[int]:
+        """The workers that left (their script's loop ended) or read the final `done`."""
         ...
 
 

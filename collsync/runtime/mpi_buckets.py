@@ -61,14 +61,14 @@ class CommThread:
             blocking = own_cores(comm)
         self.blocking = blocking
         self._cv = threading.Condition()
-        self._jobs: deque[tuple[Any, Callable[[], None] | None] | None] = deque()
+        self._jobs: deque[tuple[Any, Callable[[], object] | None] | None] = deque()
         self._posted = 0
         self._done = 0
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def post(self, array: Any, then: Callable[[], None] | None = None) -> None:
+    def post(self, array: Any, then: Callable[[], object] | None = None) -> None:
         """Queue an in-place sum of `array` (a numpy view of a tensor) over the ranks, then `then()`."""
         with self._cv:
             self._jobs.append((array, then))
@@ -292,7 +292,7 @@ class BucketReducer:
         if g is None or g.data_ptr() != view.data_ptr():
             p.grad = view.view_as(p)
 
-    def _scaler(self, view: Flat) -> Callable[[], None] | None:
+    def _scaler(self, view: Flat) -> Callable[[], object] | None:
         """What follows a bucket's sum: the division by the world size, the multiplication by `post`, or nothing."""
         if self.post is None:
             return None if self.size == 1 else lambda: view.div_(self.size)
@@ -378,7 +378,7 @@ class BucketReducer:
         shutdown(self.comm, timeout)
 
 
-def _call(then: Callable[[], None] | None) -> None:
+def _call(then: Callable[[], object] | None) -> None:
     if then is not None:
         then()
 

@@ -77,7 +77,7 @@ class MpiCollective:
         self.deadline = deadline  # seconds an allreduce may take before a rank counts as stopped (None: no limit)
 
     def allreduce_mean(self, flat: Flat) -> Flat:
-        from mpi4py import MPI
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
         buf = flat.detach().contiguous()
         if self.deadline is None:
@@ -93,7 +93,7 @@ class MpiCollective:
 
     def iallreduce_mean(self, flat: Flat) -> tuple[Any, Flat]:
         """Start a nonblocking sum; `finish(request, flat)` waits and divides. Lets work overlap communication."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
         buf = flat.detach().contiguous()
         return self.comm.Iallreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM), buf

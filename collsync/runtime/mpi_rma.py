@@ -4,14 +4,14 @@ Windows, all hosted by the server rank (workers expose zero bytes):
 
     params  float[numel]             the published parameters
     slots   float[workers * numel]   one gradient slot per worker
-    ctrl    int64[4 + 4 * workers]   [seq, version, done, v] then per worker [full, version, clock, finished]
+    ctrl    int64[4 + 4 * workers]   [seq, version, done, signal] then per worker [full, version, clock, finished]
 
-Every access, the server's to its own memory included, is an RMA call inside a `Lock_all` epoch opened once,
-completed with `Flush`: on MPICH a per-operation `Lock` waits until the target enters MPI, a `Lock_all` epoch with
-`Flush` does not, so neither side ever waits for the other to call MPI. Control words use atomics
-(`Fetch_and_op`), so a flag is never read half-written.
+Every access is an RMA call inside one `Lock_all` epoch, completed with `Flush`, and control words are touched only
+by atomics (`collsync.runtime.mpi_windows`), so neither side ever waits for the other to call MPI and a flag is
+never read half-written.
 
-* publish (server): seq <- seq + 1 (odd: writing); Put params; version, done; seq <- seq + 1 (even).
+* publish (server): seq <- seq + 1 (odd: writing); Put params; version, done, signal; seq <- seq + 1 (even). The
+  signal (`Stamp.signal`, a float64's bits in an int64 word) is whatever scalar the server's optimizer publishes.
 * read (worker): first wait until the server freed the slot of this worker's last push (read your own writes);
   poll (seq, version, done) until `ready`; Get params; re-read seq; retry if seq was odd or moved: a seqlock, so a
   worker never keeps a torn mix of two versions.
@@ -31,84 +31,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
+from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.types import Arrival, Flat, Stamp
 
-_HDR = 4  # seq, version, done, B-FASGD's v (float64 bits)
+_HDR = 4  # seq, version, done, signal (float64 bits)
 _SLOT = 4  # full, version, clock, finished
 
 
 def _as_int(x: float) -> int:
-    """A float64's bits as an int64 (the control window holds int64 words; B-FASGD's v rides in one)."""
+    """A float64's bits as an int64 (the control window holds int64 words; the stamp's signal rides in one)."""
     return int(np.array([x], dtype=np.float64).view(np.int64)[0])
 
 
 def _as_float(bits: int) -> float:
     return float(np.array([bits], dtype=np.int64).view(np.float64)[0])
-
-
-# The longest pause between two polls. Off shared memory (between nodes, or MPICH with MPIR_CVAR_NOLOCAL=1) a
-# one-sided operation completes only once its target enters MPI, so every round trip to a rank that is asleep waits
-# out its pause: a 4 MiB push ran at 0.27-0.31 of a raw Put with 1 ms pauses on the server, 0.61 with 250 us, 0.74
-# with 100 us and 0.86 with 50 us (benchmarks/README.md, "Between nodes"). Where each rank has a core of its own the
-# short pause only spends that rank's own idle core; where ranks outnumber cores a waiting rank must leave the core
-# to the others, and the long one stays.
-POLL_CAP_OWN_CORE = 50e-6
-POLL_CAP_SHARED_CORE = 1e-3
-
-
-def poll_cap(comm: Any) -> float:
-    """The pause cap for ranks of `comm` polling one-sided windows (collective: counts the ranks on the node)."""
-    from collsync.runtime.mpi_world import own_cores
-
-    return POLL_CAP_OWN_CORE if own_cores(comm) else POLL_CAP_SHARED_CORE
-
-
-class Backoff:
-    """Spin briefly, then sleep with growing pauses: ranks share cores, and a busy poll would starve a peer."""
-
-    def __init__(self, spins: int = 50, first: float = 20e-6, cap: float = 1e-3) -> None:
-        self.spins, self.first, self.cap = spins, first, cap
-        self.reset()
-
-    def reset(self) -> None:
-        self.n, self.pause = 0, self.first
-
-    def wait(self) -> None:
-        self.n += 1
-        if self.n > self.spins:
-            time.sleep(self.pause)
-            self.pause = min(self.cap, self.pause * 2)
-
-
-_W = TypeVar("_W", bound="Windows")
-
-
-class Windows:
-    """Windows opened in one `Lock_all` epoch each (`self._wins`), freed together: `free()` or a `with` block."""
-
-    comm: Any
-    _wins: tuple[Any, ...]
-
-    def free(self) -> None:
-        """Collective: close the epochs and free the windows."""
-        for win in self._wins:
-            win.Unlock_all()
-        self.comm.Barrier()
-        for win in self._wins:
-            win.Free()
-        self._wins = ()
-
-    def __enter__(self: _W) -> _W:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._wins:
-            self.free()
 
 
 class WindowMailbox(Windows):
@@ -125,7 +66,7 @@ class WindowMailbox(Windows):
         workers: Sequence[int] | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
         self.MPI = MPI
         self.comm = comm
@@ -156,10 +97,7 @@ class WindowMailbox(Windows):
         comm.Barrier()  # the zeroed memory is in place before anyone reads it
         for win in self._wins:
             win.Lock_all()
-        self._one = np.ones(1, dtype=np.int64)
-        self._val = np.zeros(1, dtype=np.int64)
-        self._res = np.zeros(1, dtype=np.int64)
-        self._zeros4 = np.zeros(_HDR, dtype=np.int64)
+        self._ctrl = Words(self.win_ctrl, server_rank)
         self._hdr = np.zeros(_HDR, dtype=np.int64)
         self._pair = np.zeros(2, dtype=np.int64)  # a slot's (version, clock)
         self._seq = 0
@@ -177,22 +115,14 @@ class WindowMailbox(Windows):
 
     # -- control words (atomics) -------------------------------------------------------------------------------
     def _load(self, disp: int) -> int:
-        self.win_ctrl.Fetch_and_op(self._val, self._res, self.server, disp, op=self.MPI.NO_OP)
-        self.win_ctrl.Flush(self.server)
-        return int(self._res[0])
+        return self._ctrl.load(disp)
 
     def _load_header(self) -> np.ndarray:
-        """seq, version, done, v in one atomic-per-word read (Get_accumulate with NO_OP), not four round trips."""
-        self.win_ctrl.Get_accumulate(
-            self._zeros4, self._hdr, self.server, target=(0, _HDR, self.MPI.INT64_T), op=self.MPI.NO_OP
-        )
-        self.win_ctrl.Flush(self.server)
-        return self._hdr
+        """seq, version, done, signal in one atomic-per-word read, not four round trips."""
+        return self._ctrl.load_many(0, self._hdr)
 
     def _store(self, disp: int, value: int) -> None:
-        self._val[0] = value
-        self.win_ctrl.Fetch_and_op(self._val, self._res, self.server, disp, op=self.MPI.REPLACE)
-        self.win_ctrl.Flush(self.server)
+        self._ctrl.store(disp, value)
 
     def _slot(self, worker: int) -> int:
         return _HDR + _SLOT * worker
@@ -233,14 +163,14 @@ class WindowMailbox(Windows):
         buf = out.detach().numpy()
         torn = False  # `out` holds a copy torn by a publish: retry until it is clean, never hand it back as is
         while True:
-            seq, version, done, v = (int(x) for x in self._load_header())
+            seq, version, done, signal = (int(x) for x in self._load_header())
             self._saw(seq)
             if seq % 2 and torn:
                 self._backoff.wait()
                 continue
             if seq == 0 or seq % 2:  # 0: nothing published yet; odd: a publish is under way
                 return None
-            stamp = Stamp(version, bool(done), _as_float(v))
+            stamp = Stamp(version, bool(done), _as_float(signal))
             if stamp.done:
                 if self.worker >= 0:
                     self._store(self._slot(self.worker) + 3, 1)  # finished: close() stops waiting for us
@@ -266,9 +196,9 @@ class WindowMailbox(Windows):
         backoff = self._backoff
         backoff.reset()
         while True:
-            seq, version, done, v = (int(x) for x in self._load_header())
+            seq, version, done, signal = (int(x) for x in self._load_header())
             if seq > 0 and seq % 2 == 0 and self._get_params(out.detach().numpy(), seq):
-                return Stamp(version, bool(done), _as_float(v))
+                return Stamp(version, bool(done), _as_float(signal))
             backoff.wait()
 
     def _get_params(self, buf: np.ndarray, seq: int) -> bool:
@@ -279,8 +209,8 @@ class WindowMailbox(Windows):
 
     def peek(self) -> Stamp:
         """The stamp last published (possibly mid-publish: for polling only, never to read parameters by)."""
-        _, version, done, v = (int(x) for x in self._load_header())
-        return Stamp(version, bool(done), _as_float(v))
+        _, version, done, signal = (int(x) for x in self._load_header())
+        return Stamp(version, bool(done), _as_float(signal))
 
     def send(self, arrival: Arrival) -> None:
         slot = self._slot(self.worker)
@@ -297,9 +227,7 @@ class WindowMailbox(Windows):
         # (version, clock) in one atomic-per-word write, and one Flush for it and the gradient together: each Flush
         # is a round trip, and off shared memory (between nodes) one that waits for the server to enter MPI.
         self._pair[:] = (arrival.version, arrival.clock)
-        self.win_ctrl.Accumulate(
-            [self._pair, self.MPI.INT64_T], self.server, target=(slot + 1, 2, self.MPI.INT64_T), op=self.MPI.REPLACE
-        )
+        self._ctrl.store_many(slot + 1, self._pair, flush=False)
         self.win_slots.Flush(self.server)
         self.win_ctrl.Flush(self.server)
         # Last: the data and header are complete at the target before the flag says so. 2 = header only.
@@ -336,10 +264,7 @@ class WindowMailbox(Windows):
             grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
             target = (w * self.numel, self.numel, self._mpi_t)
             self.win_slots.Get([grad.numpy(), self._mpi_t], self.server, target=target)
-        zeros = self._zeros4[:2]
-        self.win_ctrl.Get_accumulate(
-            zeros, self._pair, self.server, target=(slot + 1, 2, self.MPI.INT64_T), op=self.MPI.NO_OP
-        )
+        self._ctrl.load_many(slot + 1, self._pair, flush=False)
         self.win_slots.Flush(self.server)
         self.win_ctrl.Flush(self.server)
         version, clock = int(self._pair[0]), int(self._pair[1])
@@ -386,7 +311,7 @@ class WindowMailbox(Windows):
         self.win_params.Flush(self.server)
         self._store(1, stamp.version)
         self._store(2, int(stamp.done))
-        self._store(3, _as_int(stamp.v))
+        self._store(3, _as_int(stamp.signal))
         self._seq += 1
         self._store(0, self._seq)
         self._release()

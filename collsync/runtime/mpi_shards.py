@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from collsync.runtime.mpi_rma import Backoff, WindowMailbox
+from collsync.runtime.mpi_coll import shutdown
+from collsync.runtime.mpi_rma import WindowMailbox
+from collsync.runtime.mpi_windows import Backoff
 from collsync.types import Arrival, Flat, Stamp
 
 Bounds = list[tuple[int, int]]
@@ -124,8 +126,10 @@ class ShardedMailbox:
             self._had[j] = self._had[j] or (fetch and not s.done)
             if not s.done and fetch:
                 self.versions[j] = s.version
-        # The round the worker may compute next follows the oldest block it just received.
-        return Stamp(min(s.version for s in live.values()), False, sum(s.v for s in live.values()) / len(live))
+        # The round the worker may compute next follows the oldest block it just received; each shard's server
+        # publishes its own optimizer's signal, and the worker acts on their mean.
+        signal = sum(s.signal for s in live.values()) / len(live)
+        return Stamp(min(s.version for s in live.values()), False, signal)
 
     def _waited(self, since: float | None) -> bool:
         if self.pull_timeout is None:
@@ -225,8 +229,6 @@ class Shards:
     def close(self, while_waiting: Callable[[], None] | None = None) -> None:
         """Collective over the world: once every rank got here (an Ibarrier polled with pauses), free the windows.
         `while_waiting()` runs between two polls (see `mpi_coll.shutdown`)."""
-        from collsync.runtime.mpi_coll import shutdown
-
         shutdown(self.world, while_waiting=while_waiting)
         for mailbox in self.mailboxes:
             mailbox.free()

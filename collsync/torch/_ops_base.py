@@ -112,7 +112,7 @@ _HALF_SUM: Any = None
 
 def _sum_op(dtype: torch.dtype) -> Any:
     """MPI.SUM, or for float16 a user operation: each addition in float32, rounded to float16 (Horovod's)."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     global _HALF_SUM
     if dtype != torch.float16:

@@ -17,7 +17,6 @@ import torch
 from collsync.loops import Worker, pull, push
 from collsync.runtime.mpi_shards import Shards
 from collsync.torch._mode import Mode, one_dtype
-from collsync.torch._serve import Job, send_job
 from collsync.torch._world import World
 from collsync.torch.config import SyncConfig, server_rule
 from collsync.torch.speculative import Speculating
@@ -48,6 +47,10 @@ class ServerMode(Mode):
         self.params = self.flat.read_params().clone()
         shard_states = _shard_states(server_state, st.servers, policy.name)
         if st.comm.Get_rank() == 0:
+            # Lazily: `_serve` is the server side (it loads the shard run, and Hydra with it); a worker only sends it
+            # the job, and `import collsync.torch` stays light.
+            from collsync.torch._serve import Job, send_job
+
             job = Job(self.params.clone(), policy, rule, config.penalty, workers, state=shard_states)
             send_job(st.world, st.servers, job)
         self.shards = Shards(st.world, numel, st.servers, self.flat.buf.dtype)

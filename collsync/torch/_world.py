@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from collsync.runtime.mpi_world import check_world_size, launcher_size, node_layout, set_threads
 from collsync.torch.config import SyncConfig, sync_config
 
 _SERVERS_ENV = "COLLSYNC_SERVERS"
@@ -80,41 +81,16 @@ def init(
     global _STATE
     if process_sets is not None:
         raise NotImplementedError("collsync.torch.init: process sets are not supported (process_sets=...)")
-    from mpi4py import MPI
-
-    from collsync.runtime.mpi_world import check_world_size, launcher_size
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     if _STATE is not None:
         return  # Horovod allows init() more than once
-    world = MPI.COMM_WORLD if comm is None else comm
-    if isinstance(world, (list, tuple)):
-        group = MPI.COMM_WORLD.Get_group().Incl(list(world))
-        world = MPI.COMM_WORLD.Create_group(group)
-        if world == MPI.COMM_NULL:
-            raise ValueError(f"collsync.torch.init: this rank is not in comm={list(comm)}")
-    if comm is None:
-        check_world_size(launcher_size(), world.Get_size())
+    world = _world_comm(MPI, comm)
     config = sync_config(sync) if sync is not None else None
-    if servers is None:
-        servers = config.servers if config is not None and config.servers else None
-    if servers is None:
-        env = os.environ.get(_SERVERS_ENV, "0")
-        if not env.isdigit():
-            raise ValueError(f"collsync.torch.init: {_SERVERS_ENV}={env!r} must be a whole number")
-        servers = int(env)
-    if servers < 0:
-        raise ValueError(f"collsync.torch.init: servers={servers} must be >= 0")
-    size = world.Get_size()
-    if servers and servers >= size:
-        raise ValueError(
-            f"collsync.torch.init: servers={servers} leave no worker in a world of {size} rank(s); launch at least "
-            f"{servers + 1} ranks (mpiexec -n {servers + 1} ...)"
-        )
+    servers = _servers(servers, config, world.Get_size())
     backend = backend or (config.backend if config is not None else None) or "mpi"
     if backend not in ("mpi", "horovod"):
         raise ValueError(f"collsync.torch.init: backend={backend!r} must be 'mpi' or 'horovod'")
-    from collsync.runtime.mpi_world import node_layout, set_threads
-
     node, cores = node_layout(world)  # collective over the whole world: servers included
     set_threads(world, node)
     oversubscribed = node > cores
@@ -123,6 +99,7 @@ def init(
     comm_w = world.Split(0 if not is_server else 1, rank)
     role = "server" if is_server else "worker"
     if is_server and serve:
+        # Lazily: the server side (the shard run, and the Hydra it builds rules with) loads on server ranks only.
         from collsync.torch._serve import serve_forever
 
         _STATE = World(world, comm_w, servers, None, None, config, backend, oversubscribed=oversubscribed)
@@ -133,10 +110,42 @@ def init(
         world, comm_w, servers, local, cross, config, backend, oversubscribed=oversubscribed, role=role, serve=serve
     )
     if backend == "horovod" and role == "worker":
-        from collsync.runtime.horovod import init as horovod_init
+        from collsync.runtime.horovod import init as horovod_init  # lazily: Horovod is optional
 
         horovod_init(comm_w)
     atexit.register(shutdown)
+
+
+def _world_comm(MPI: Any, comm: Any) -> Any:  # noqa: N803 - the module's own name
+    """The communicator `init(comm=...)` runs on: COMM_WORLD, a communicator, or a group of COMM_WORLD's ranks."""
+    world = MPI.COMM_WORLD if comm is None else comm
+    if isinstance(world, (list, tuple)):
+        group = MPI.COMM_WORLD.Get_group().Incl(list(world))
+        world = MPI.COMM_WORLD.Create_group(group)
+        if world == MPI.COMM_NULL:
+            raise ValueError(f"collsync.torch.init: this rank is not in comm={list(comm)}")
+    if comm is None:
+        check_world_size(launcher_size(), world.Get_size())
+    return world
+
+
+def _servers(servers: int | None, config: SyncConfig | None, size: int) -> int:
+    """How many ranks serve: `init(servers=...)`, else what the sync mode says, else COLLSYNC_SERVERS, else 0."""
+    if servers is None:
+        servers = config.servers if config is not None and config.servers else None
+    if servers is None:
+        env = os.environ.get(_SERVERS_ENV, "0")
+        if not env.isdigit():
+            raise ValueError(f"collsync.torch.init: {_SERVERS_ENV}={env!r} must be a whole number")
+        servers = int(env)
+    if servers < 0:
+        raise ValueError(f"collsync.torch.init: servers={servers} must be >= 0")
+    if servers and servers >= size:
+        raise ValueError(
+            f"collsync.torch.init: servers={servers} leave no worker in a world of {size} rank(s); launch at least "
+            f"{servers + 1} ranks (mpiexec -n {servers + 1} ...)"
+        )
+    return servers
 
 
 def shutdown() -> None:
@@ -150,7 +159,7 @@ def shutdown() -> None:
         close()
     st.cleanups.clear()
     if st.servers and st.serve and st.role == "worker":
-        from collsync.torch._serve import release_servers
+        from collsync.torch._serve import release_servers  # lazily, as in `init`: the server side's module
 
         release_servers(st)
     _STATE = None
@@ -212,7 +221,7 @@ def where() -> str:
 
 
 def mpi_threads_supported() -> bool:
-    from mpi4py import MPI
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 

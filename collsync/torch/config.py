@@ -63,7 +63,7 @@ class SyncConfig:
 def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """`conf/<group>/<name>.yaml` with `options` set (each must be one of its keys) and `extra` filled where the file
     has the key: a plain dict with `_target_`, picklable, so a server rank can build the same object."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazily, as Hydra: only where a mode is built from its YAML file
 
     path = files("collsync.conf").joinpath(group, f"{name}.yaml")
     if not path.is_file():
@@ -88,6 +88,7 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
 def build(node: dict[str, Any] | None) -> Any:
     """Instantiate a node made by `_node`, `server_rule` or `from_config` (None stays None). A factory's own
     ValueError (a bad value, `specsync: base='bsp' must be ...`) comes out as that one line, not Hydra's wrapper."""
+    # Lazily: Hydra takes a second or more to import, and `import collsync.torch` does not need it.
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
@@ -163,7 +164,7 @@ def from_config(cfg: Any) -> SyncConfig:
     The server rule is the config's `optimizer` (and `penalty`), as in `collsync-train`; `runtime.servers` gives the
     server ranks of a server mode (`runtime=allreduce` and `runtime=partial` run bsp / backup without servers).
     """
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazily, as Hydra (see `build`)
 
     def node(group: str) -> dict[str, Any]:
         return OmegaConf.to_container(cfg[group], resolve=True)  # type: ignore[return-value]

@@ -41,8 +41,8 @@ from collsync.torch._mode import Mode
 from collsync.torch._partial_mode import PartialMode
 from collsync.torch._server_mode import ServerMode
 from collsync.torch._server_mode import _shard_states as _shard_states  # tests check resume input here
-from collsync.torch._world import state
-from collsync.torch.config import sync_config
+from collsync.torch._world import World, state
+from collsync.torch.config import SyncConfig, sync_config
 
 
 def _params(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[torch.Tensor]:
@@ -200,37 +200,15 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     params = _params(optimizer, named_parameters)
     if not params:
         raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires a gradient")
-    mode: Mode
-    name = config.policy.name
     if server_state is not None and not st.servers:
         raise ValueError("DistributedOptimizer: server_state is for server modes; this world reserved no servers")
+    mode: Mode
     if st.servers:
         mode = ServerMode(st, optimizer, params, config, server_state)
-    elif config.servers:
-        raise ValueError(
-            f"DistributedOptimizer(sync={name!r}) runs on parameter-server ranks, which are reserved when the "
-            f"world starts: call collsync.torch.init(sync={name!r}) (or init(servers=M), or set COLLSYNC_SERVERS)"
-        )
-    elif name == "bsp":
-        mode = AllreduceMode(
-            st,
-            params,
-            compression,
-            backward_passes_per_step,
-            op,
-            gradient_predivide_factor,
-            sparse_as_dense,
-            deadline=config.policy.deadline,
-        )
-    elif name == "backup":
-        if compression is not ops.Compression.none or op != ops.Average or gradient_predivide_factor != 1.0:
-            raise ValueError(
-                "DistributedOptimizer(sync='backup'): the partial allreduce averages plain gradients; "
-                "compression, op and gradient_predivide_factor are for sync='bsp'"
-            )
-        mode = PartialMode(st, params, config, passes=backward_passes_per_step)
     else:
-        raise ValueError(f"DistributedOptimizer: sync={name!r} has no serverless form; reserve servers at init()")
+        mode = _serverless(
+            st, params, config, compression, backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense
+        )
     cls = type(optimizer)
     optimizer.__class__ = type(cls.__name__, (_Distributed, cls), {"__module__": cls.__module__})
     optimizer._collsync = mode  # type: ignore[attr-defined]
@@ -240,3 +218,34 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if mode.spec is not None:
         st.speculating = mode.spec  # `collsync.torch.speculative(step)` runs steps through it
     return optimizer
+
+
+def _serverless(
+    st: World,
+    params: list[torch.Tensor],
+    config: SyncConfig,
+    compression: Any,
+    passes: int,
+    op: int,
+    predivide: float,
+    sparse_as_dense: bool,
+) -> Mode:
+    """The mode of a world without server ranks: bsp (`AllreduceMode`) or backup (`PartialMode`)."""
+    name = config.policy.name
+    if config.servers:
+        raise ValueError(
+            f"DistributedOptimizer(sync={name!r}) runs on parameter-server ranks, which are reserved when the "
+            f"world starts: call collsync.torch.init(sync={name!r}) (or init(servers=M), or set COLLSYNC_SERVERS)"
+        )
+    if name == "bsp":
+        return AllreduceMode(
+            st, params, compression, passes, op, predivide, sparse_as_dense, deadline=config.policy.deadline
+        )
+    if name == "backup":
+        if compression is not ops.Compression.none or op != ops.Average or predivide != 1.0:
+            raise ValueError(
+                "DistributedOptimizer(sync='backup'): the partial allreduce averages plain gradients; "
+                "compression, op and gradient_predivide_factor are for sync='bsp'"
+            )
+        return PartialMode(st, params, config, passes=passes)
+    raise ValueError(f"DistributedOptimizer: sync={name!r} has no serverless form; reserve servers at init()")

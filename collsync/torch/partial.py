@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from collsync.runtime.mpi_coll import shutdown
+from collsync.runtime.mpi_partial import PartialAllreduce
 from collsync.torch._world import state
 
 _OPEN: dict[tuple[int, torch.dtype], list[Any]] = {}
@@ -25,8 +27,6 @@ def partial_allreduce(tensor: torch.Tensor, quorum: int, *, timeout: float | Non
         ValueError: quorum outside 1..size(), a tensor that is not float32/float64 on the CPU.
         TimeoutError: with `timeout`, a round that did not complete in time (naming what it waited for).
     """
-    from collsync.runtime.mpi_partial import PartialAllreduce
-
     st = state("partial_allreduce")
     n = st.comm.Get_size()
     if not 1 <= quorum <= n:
@@ -39,8 +39,6 @@ def partial_allreduce(tensor: torch.Tensor, quorum: int, *, timeout: float | Non
         _OPEN[key] = [pa, 0]
 
         def close(key: tuple[int, torch.dtype] = key) -> None:
-            from collsync.runtime.mpi_coll import shutdown
-
             shutdown(st.comm)
             _OPEN.pop(key)[0].free()
 

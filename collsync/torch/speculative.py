@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 
+from collsync.runtime.mpi_specsync import RESYNC, Speculator
 from collsync.specsync import Aborted, Speculation
+from collsync.torch._world import state
 
 # Probes at step()'s safe point before the check (a few microseconds each; see `Speculating._settle`).
 _SETTLE_PROBES = 4
@@ -48,13 +50,11 @@ _SETTLE_PROBES = 4
 class Speculating:
     """One worker's SpecSync over a `ServerMode`: safe-point hooks, aborts, notifies, naive waiting.
 
-    `mode`: the `optimizer.ServerMode` it speculates for (its mailbox, worker, model parameters); `world`: the MPI
+    `mode`: the `_server_mode.ServerMode` it speculates for (its mailbox, worker, model parameters); `world`: the MPI
     world, `Dup`ed here for the messages (collective with the servers' `_serve.serve`).
     """
 
     def __init__(self, mode: Any, world: Any, params: list[torch.Tensor], speculation: Speculation) -> None:
-        from collsync.runtime.mpi_specsync import RESYNC, Speculator
-
         self.RESYNC = RESYNC
         self.mode = mode
         self.params = params
@@ -211,7 +211,6 @@ def speculative(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a training step (forward, backward, `optimizer.step()`) so that a SpecSync re-sync that aborts it
     re-runs it on fresh parameters (see the module docstring). Under any other sync mode it just calls the step,
     so a script may keep the decorator whatever mode it runs."""
-    from collsync.torch._world import state
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:

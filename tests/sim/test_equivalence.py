@@ -98,7 +98,7 @@ def test_ssp_never_leads_the_slowest_by_more_than_s(lead):
 
 
 def test_frozen_worker_backup_trains_and_bsp_reports_it():
-    frozen = Stragglers(compute="constant", frozen=(2,), frozen_at=3.5)
+    frozen = Stragglers(compute="constant", worker=2, at=3.5)
     server, sim = simulate(backup(1), 4, steps=20, stragglers=frozen)
     assert server.version == 20
     assert all(2 not in e["workers"] for e in sim.trace.of("apply")[4:])

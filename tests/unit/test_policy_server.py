@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from collsync.checks import TraceError, check_trace
-from collsync.policy import SyncPolicy, asynchronous, backup, ssp
+from collsync.policy import SyncPolicy, Transmit, asynchronous, backup, ssp
 from collsync.rules import sgd
 from collsync.server import Server, replay
 from collsync.trace import Trace
@@ -157,24 +157,24 @@ def test_bfasgd_skipped_push_reapplies_the_last_gradient_and_needs_fasgd():
 
     policy = asynchronous(c_push=5.0, c_fetch=5.0)
     server = Server(torch.zeros(3, dtype=torch.float64), fasgd(lr=1.0), policy, 2, trace=Trace())
-    assert server.stamp().v == 0.0  # FASGD's v starts at zero
+    assert server.stamp().signal == 0.0  # FASGD's v starts at zero
     server.accept(arrival(0, 0, 2.0))
     after_first = server.params.clone()
     server.accept(Arrival(0, 1, None, 1))
     pushes = server.trace.of("push")
     assert pushes[1].get("repeat") is True and "repeat" not in pushes[0]
     assert not torch.equal(server.params, after_first)  # the repeated gradient moved theta again
-    assert server.stamp().v > 0.0
+    assert server.stamp().signal > 0.0
     with pytest.raises(ValueError, match="skipped a push before it ever pushed"):
         server.accept(Arrival(1, 2, None, 2))
     with pytest.raises(ValueError, match="needs optimizer=fasgd"):
         Server(torch.zeros(3), sgd(lr=0.1), policy, 2)
     with pytest.raises(ValueError, match="c_push"):
-        SyncPolicy("ssp", max_lead=1, c_push=1.0)
+        SyncPolicy("ssp", max_lead=1, transmit=Transmit(c_push=1.0))
     with pytest.raises(ValueError, match="c_fetch=-1"):
         asynchronous(c_fetch=-1.0)
     # The coin flips are a per-worker stream: same seed, same decisions; c = 0 always transmits.
-    a, b = Worker(1, policy, seed=3, v=1.0, steps=1), Worker(1, policy, seed=3, v=1.0, steps=1)
+    a, b = Worker(1, policy, seed=3, signal=1.0, steps=1), Worker(1, policy, seed=3, signal=1.0, steps=1)
     assert [a.will_push() for _ in range(50)] == [b.will_push() for _ in range(50)]
-    always = Worker(0, asynchronous(c_push=0.0, c_fetch=0.0), v=1.0, steps=1)
+    always = Worker(0, asynchronous(c_push=0.0, c_fetch=0.0), signal=1.0, steps=1)
     assert all(always.will_push() and always.will_fetch() for _ in range(50))

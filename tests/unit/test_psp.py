@@ -141,5 +141,5 @@ def test_a_slow_simulated_server_delays_every_update_by_its_time():
 
 
 def test_slow_shard_must_name_a_shard():
-    with pytest.raises(ValueError, match="slow_shard=-1"):
+    with pytest.raises(ValueError, match="stragglers: shard=-1"):
         slow_server(shard=-1)

@@ -12,13 +12,12 @@ import math
 import pytest
 import torch
 
-from collsync.policy import asynchronous
+from collsync.policy import asynchronous, bfasgd
 from collsync.rules import (
     Rule,
     adam_ga,
     adam_sa,
     bfasgd_probability,
-    bfasgd_v,
     chain,
     combine,
     dana,
@@ -127,14 +126,15 @@ def test_bfasgd_probability_is_eq_9():
 
 
 def test_bfasgd_v_reads_fasgd_state_through_the_server():
+    # FASGD reports v as its signal through the wrapper, and the server publishes it with every version.
     server = Server(t(0.0, 0.0), gradual_warmup(fasgd(lr=0.1), warmup=2, workers=2), asynchronous(), 2)
     server.accept(Arrival(0, 0, t(2.0, 0.0)))
     # Arrival 1 with gamma = beta = 0.9, eps = 1e-8: n = [0.4, 0], b = [0.2, 0], n - b^2 = [0.36, 0];
     # v = 0.1 / sqrt([0.36 + 1e-8, 1e-8]).
     expected = (0.1 / math.sqrt(0.36 + 1e-8) + 0.1 / math.sqrt(1e-8)) / 2
-    assert bfasgd_v(server.opt_state) == pytest.approx(expected)
+    assert server.stamp().signal == pytest.approx(expected)
     with pytest.raises(ValueError, match="optimizer=fasgd"):
-        bfasgd_v(Server(t(0.0), sgd(), asynchronous(), 1).opt_state)
+        Server(t(0.0), sgd(), bfasgd(), 1)
 
 
 def test_gradual_warmup_ramps_from_lr_over_n_with_momentum_correction():

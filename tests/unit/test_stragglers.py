@@ -102,10 +102,10 @@ def test_frozen_worker():
     sampler = frozen_worker(worker=2, at=5.0).sampler(4, seed=0)
     assert not sampler.is_frozen(2, 4.99) and sampler.is_frozen(2, 5.0) and sampler.is_frozen(2, 1e9)
     assert not any(sampler.is_frozen(w, 1e9) for w in (0, 1, 3))
-    combined = Stragglers("gamma_heterogeneous", v_mach=0.6, delay_prob=0.5, delay=1.0, frozen=[0, 3], frozen_at=2.0)
-    assert combined.frozen == (0, 3) and hash(combined)  # a Hydra list becomes a tuple
+    combined = Stragglers("gamma_heterogeneous", v_mach=0.6, delay_prob=0.5, delay=1.0, worker=[0, 3], at=2.0)
+    assert combined.worker == (0, 3) and combined.frozen == (0, 3) and hash(combined)  # a Hydra list: a tuple
     assert combined.sampler(4, seed=0).is_frozen(3, 2.0)
-    with pytest.raises(ValueError, match=r"frozen=\[2\] names worker\(s\) \[2\] outside 0\.\.1"):
+    with pytest.raises(ValueError, match=r"worker=2 names worker\(s\) \[2\] outside 0\.\.1"):
         frozen_worker(worker=2).sampler(2, seed=0)
 
 
@@ -134,8 +134,8 @@ def test_order_statistic_mean():
         (lambda: Stragglers(delay_prob=1.5), r"delay_prob=1\.5 must be in \[0, 1\]"),
         (lambda: rare_delays(delay=-4.0), "delay=-4.0 must be >= 0"),
         (lambda: Stragglers(slow_server=float("nan")), "slow_server=nan must be >= 0"),
-        (lambda: frozen_worker(worker=-1), r"frozen=\[-1\] must hold worker indices >= 0"),
-        (lambda: frozen_worker(at=-1.0), "frozen_at=-1.0 must be >= 0"),
+        (lambda: frozen_worker(worker=-1), r"worker=-1 must name workers by index >= 0"),
+        (lambda: frozen_worker(at=-1.0), "at=-1.0 must be >= 0"),
         (lambda: none().sampler(0, seed=0), "workers=0 must be >= 1"),
         (lambda: none().sampler(2, seed=-1), "seed=-1 must be >= 0"),
         (lambda: none().sampler(2, seed=0).compute_time(2, 0), r"worker=2 outside 0\.\.1"),

@@ -1,0 +1,125 @@
+"""What the protocols on MPI one-sided windows share: windows held in one `Lock_all` epoch, atomic control words,
+and polling with backoff.
+
+Every access to a window, the host's to its own memory included, is an RMA call inside a `Lock_all` epoch opened
+once and completed with `Flush`: on MPICH a per-operation `Lock` waits until the target enters MPI, a `Lock_all`
+epoch with `Flush` does not, so no rank ever waits for another to call MPI. Control words are int64 and touched
+only by atomics (`Fetch_and_op`, `Get_accumulate` / `Accumulate` with NO_OP / REPLACE), so a word is never read
+half-written. mpi4py is imported lazily, inside the constructors, so that collsync imports without an MPI library.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+import numpy as np
+
+from collsync.runtime.mpi_world import own_cores
+
+# The longest pause between two polls. Off shared memory (between nodes, or MPICH with MPIR_CVAR_NOLOCAL=1) a
+# one-sided operation completes only once its target enters MPI, so every round trip to a rank that is asleep waits
+# out its pause: a 4 MiB push ran at 0.27-0.31 of a raw Put with 1 ms pauses on the server, 0.61 with 250 us, 0.74
+# with 100 us and 0.86 with 50 us (benchmarks/README.md, "Between nodes"). Where each rank has a core of its own the
+# short pause only spends that rank's own idle core; where ranks outnumber cores a waiting rank must leave the core
+# to the others, and the long one stays.
+POLL_CAP_OWN_CORE = 50e-6
+POLL_CAP_SHARED_CORE = 1e-3
+
+
+def poll_cap(comm: Any) -> float:
+    """The pause cap for ranks of `comm` polling one-sided windows (collective: counts the ranks on the node)."""
+    return POLL_CAP_OWN_CORE if own_cores(comm) else POLL_CAP_SHARED_CORE
+
+
+class Backoff:
+    """Spin briefly, then sleep with growing pauses: ranks share cores, and a busy poll would starve a peer."""
+
+    def __init__(self, spins: int = 50, first: float = 20e-6, cap: float = 1e-3) -> None:
+        self.spins, self.first, self.cap = spins, first, cap
+        self.reset()
+
+    def reset(self) -> None:
+        self.n, self.pause = 0, self.first
+
+    def wait(self) -> None:
+        self.n += 1
+        if self.n > self.spins:
+            time.sleep(self.pause)
+            self.pause = min(self.cap, self.pause * 2)
+
+
+_W = TypeVar("_W", bound="Windows")
+
+
+class Windows:
+    """Windows opened in one `Lock_all` epoch each (`self._wins`), freed together: `free()` or a `with` block."""
+
+    comm: Any
+    _wins: tuple[Any, ...]
+
+    def free(self) -> None:
+        """Collective: close the epochs and free the windows."""
+        for win in self._wins:
+            win.Unlock_all()
+        self.comm.Barrier()
+        for win in self._wins:
+            win.Free()
+        self._wins = ()
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._wins:
+            self.free()
+
+
+class Words:
+    """The int64 control words of window `win` on rank `target`, each read and written atomically, every access
+    completed by its own `Flush` (one round trip each: callers batch neighbouring words with `load_many`)."""
+
+    def __init__(self, win: Any, target: int) -> None:
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        self.MPI, self.win, self.target = MPI, win, target
+        self._val = np.zeros(1, dtype=np.int64)
+        self._res = np.zeros(1, dtype=np.int64)
+        self._zeros = np.zeros(0, dtype=np.int64)
+
+    def fetch(self, disp: int, value: int, op: Any) -> int:
+        """`Fetch_and_op`: apply `op` with `value` to word `disp`; its value before."""
+        self._val[0] = value
+        self.win.Fetch_and_op(self._val, self._res, self.target, disp, op=op)
+        self.win.Flush(self.target)
+        return int(self._res[0])
+
+    def load(self, disp: int) -> int:
+        return self.fetch(disp, 0, self.MPI.NO_OP)
+
+    def store(self, disp: int, value: int) -> None:
+        self.fetch(disp, value, self.MPI.REPLACE)
+
+    def load_many(self, disp: int, out: np.ndarray, flush: bool = True) -> np.ndarray:
+        """`len(out)` words from `disp` into `out`, each read atomically, in one `Get_accumulate` (not one round trip
+        per word). `flush=False` leaves the `Flush` to the caller, who completes it with other operations."""
+        count = len(out)
+        if len(self._zeros) < count:
+            self._zeros = np.zeros(count, dtype=np.int64)
+        self.win.Get_accumulate(
+            [self._zeros[:count], self.MPI.INT64_T],
+            [out, self.MPI.INT64_T],
+            self.target,
+            target=(disp, count, self.MPI.INT64_T),
+            op=self.MPI.NO_OP,
+        )
+        if flush:
+            self.win.Flush(self.target)
+        return out
+
+    def store_many(self, disp: int, values: np.ndarray, flush: bool = True) -> None:
+        """`values` into the words from `disp`, each written atomically, in one `Accumulate(REPLACE)`."""
+        target = (disp, len(values), self.MPI.INT64_T)
+        self.win.Accumulate([values, self.MPI.INT64_T], self.target, target=target, op=self.MPI.REPLACE)
+        if flush:
+            self.win.Flush(self.target)
