@@ -1,10 +1,15 @@
 """Deterministic runs end with the same parameters across hosts as on one host, bit for bit (as
 tests/integration/test_torch_launch.py holds them bitwise on one host): `collsync-train` on one host under MPICH
-against the same runs across three hosts under MPICH and under Open MPI, and a script through collsync.torch across
+against the same runs across two hosts under MPICH and under Open MPI, and a script through collsync.torch across
 hosts against `collsync-train` on one host.
 
-Each case has two workers (3 ranks: a server on node0, a worker on node1 and one on node2): a server's sum of two
-gradients does not depend on which arrives first, so the runs are deterministic whatever the network does."""
+Each case has two workers, whose server's sum of two gradients does not depend on which arrives first. Ranks: the
+server on node0, both workers on node1, so every push and pull crosses hosts. Why not a worker per host: collsync
+gives each rank an equal share of its node's cores as torch threads, so a worker alone on a host (2 cores) computes
+with 2 threads where on one host (3 ranks, 2 cores) it has 1, and its matrix products then sum in another order:
+measured, the final parameters then differ in the last bits (1.5e-8 to 3e-8). The server's own arithmetic is
+elementwise, the same whatever its thread count.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ CASES = {
     "backup-b0": ["sync=backup", "sync.backups=0"],
 }
 COMMON = ["runtime=mpi", "steps=20", "stragglers=none"]
-HOSTS = "node0:1,node1:1,node2:1"
+HOSTS = "node0:1,node1:2"
 
 
 def params(run: Path) -> torch.Tensor:
@@ -57,7 +62,7 @@ def one_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def across(box: None, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """The cases across three hosts under an MPI, launched once on the first test that asks."""
+    """The cases across hosts under an MPI, launched once on the first test that asks."""
     done: dict[str, Path] = {}
 
     def get(mpi: str) -> Path:
@@ -66,7 +71,7 @@ def across(box: None, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str
             proc = launch_runs(mpi, HOSTS, 3, folder, {c: [*COMMON, *o] for c, o in CASES.items()})
             for case in CASES:
                 finished(folder, proc, case)
-            assert rank_hosts(folder) == ["node0", "node1", "node2"]
+            assert rank_hosts(folder) == ["node0", "node1", "node1"]
             done[mpi] = folder
         return done[mpi]
 
@@ -81,7 +86,7 @@ def test_across_hosts_equals_one_host_bitwise(one_host, across, mpi, case):
 
 @pytest.mark.parametrize("case", ["bsp-on-server", "backup-b0"])
 def test_collsync_torch_across_hosts_equals_collsync_train_on_one_host(one_host, mpi, tmp_path, case):
-    """tests/scripts/train_equal.py (the same run written through collsync.torch) on three hosts."""
+    """tests/scripts/train_equal.py (the same run written through collsync.torch) across hosts."""
     out = tmp_path / "t.pt"
     script = ROOT / "tests" / "scripts" / "train_equal.py"
     cmd = mpirun(mpi, HOSTS, 3, str(script), "--out", str(out), *COMMON, *CASES[case])
