@@ -1,4 +1,8 @@
-"""The run folder on disk: checked before training, and never the only place the trained parameters could go.
+"""The run folder on disk: checked before training, written in one place after it, and never the only place the
+trained parameters could go.
+
+`write_run(...)` writes a run's folder (trace.jsonl, params.pt, summary.json, report and plots) and logs its
+summary; every run shape ends there, `save_incomplete(...)` too (a run cut short by a deadline or a signal).
 
 `probe(out_dir)` writes, syncs and removes a small file, so that a folder that cannot take the results (read-only,
 full, under a regular file) stops the run before the first gradient. `keep_on_write_failure(out_dir, payload)`
@@ -9,11 +13,24 @@ the parameters are saved to a temporary file instead and the error names both th
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from collsync.checks import check_trace
+from collsync.metrics import format_summary, summary
+from collsync.policy import SyncPolicy
+from collsync.runfiles import write_report
+from collsync.server import Server
+from collsync.trace import Trace
+
+if TYPE_CHECKING:
+    from collsync.runtime.mpi_shards import Shards
 
 # Bytes the probe writes: a few pages, so a folder with less room than a small model's parameters fails it.
 PROBE_BYTES = 65536
@@ -48,8 +65,6 @@ def probe(out_dir: Path) -> None:
 
 def keep(payload: dict[str, Any]) -> Path:
     """Save `payload` (torch.save) to a new file in the temporary folder, else in the home folder; its path."""
-    import torch
-
     errors = []
     for folder in (Path(tempfile.gettempdir()), Path.home()):
         try:
@@ -77,3 +92,71 @@ def keep_on_write_failure(out_dir: Path, payload: dict[str, Any]) -> Iterator[No
         except OSError as lost:
             raise RunFolderError(f"{failed}, and the parameters could not be kept elsewhere: {lost}") from exc
         raise RunFolderError(f"{failed}; the parameters are kept in {kept}") from exc
+
+
+def write_run(
+    out_dir: Path,
+    trace: Trace,
+    policy: SyncPolicy,
+    server: Server,
+    config: dict[str, Any],
+    *,
+    params: torch.Tensor | None = None,
+    ema: torch.Tensor | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Check the trace, write the run folder (trace, parameters, report) and log the summary; return it.
+    `params` / `ema` are the whole model's when the server held one shard of them; `extra` goes into summary.json
+    (`incomplete`: why a run was cut short)."""
+    try:
+        counts = check_trace(trace, policy, server.workers)
+    except (AssertionError, ValueError) as exc:
+        if not (extra or {}).get("incomplete"):
+            raise
+        counts = {"error": str(exc)}  # a run cut short may leave gradients that were never applied or dropped
+    if params is None:
+        params, ema = server.params, server.ema
+    saved = {"params": params, "ema": ema, "version": server.version, "config": config}
+    extra = {"trace_checks": counts, **(extra or {})}
+    with keep_on_write_failure(out_dir, saved):  # a disk that filled up meanwhile: the parameters go elsewhere
+        out_dir.mkdir(parents=True, exist_ok=True)
+        trace.write_jsonl(out_dir / "trace.jsonl")
+        torch.save(saved, out_dir / "params.pt")
+        write_report(trace, out_dir, extra=extra)
+    result = {**summary(trace), **extra}
+    # Through logging, line by line: under Hydra its handlers show each line on the console and keep it in the run
+    # folder's collsync.log, so the log a run leaves (e.g. a Slurm job's) holds its summary and where it went.
+    log = logging.getLogger("collsync.train")
+    for line in format_summary(result).splitlines():
+        log.info(line)
+    log.info("run folder: %s", out_dir)
+    return result
+
+
+def save_incomplete(
+    out_dir: Path,
+    trace: Trace,
+    policy: SyncPolicy,
+    server: Server,
+    config: dict[str, Any],
+    message: str,
+    *,
+    shards: Shards | None = None,
+    evaluate: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Rank 0 after a deadline, a divergence or a signal: the run folder with what the servers hold, evaluated
+    first (`evaluate(version, params, ema)`), the summary marked incomplete with the reason (and `extra`). With several
+    `shards`, the other shards' blocks are taken as they last published them."""
+    server.drain()
+    params, ema = server.params, server.ema
+    if shards is not None and shards.servers > 1:
+        params = torch.empty(shards.bounds[-1][1], dtype=server.params.dtype)
+        shards.snapshot(params)
+        params[shards.block] = server.params
+        ema = None
+    if evaluate is not None:
+        evaluate(server.version, params, ema)
+    return write_run(
+        out_dir, trace, policy, server, config, params=params, ema=ema, extra={**(extra or {}), "incomplete": message}
+    )

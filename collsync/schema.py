@@ -40,10 +40,18 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Checkpointing:
+    """`checkpoint:` in `conf/config.yaml`: server updates and wall seconds between two checkpoints (None: never)."""
+
+    every: int | None = None
+    seconds: float | None = None  # ranges: `checkpoint.Schedule` checks them where it takes them
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """The top-level keys of `conf/config.yaml` with their types; `__post_init__` checks their ranges.
 
-    Keys added to the config later and not listed here are left to the code that reads them.
+    Every key the runs read is here, so they read this and never the raw config (`collsync.runs.parts.Parts.run`).
     """
 
     seed: int = 0
@@ -56,6 +64,8 @@ class RunConfig:
     progress: bool = True
     guard: Literal["stop", "skip", "off"] = "stop"
     guard_loss: float = 10.0
+    checkpoint: Checkpointing | None = None
+    resume: str | None = None
 
     def __post_init__(self) -> None:
         if self.seed < 0:  # the straggler draws and the data order seed numpy generators, which take seeds >= 0
@@ -65,6 +75,23 @@ class RunConfig:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
         if not self.guard_loss > 1.0:
             raise ConfigError(f"guard_loss={self.guard_loss} must be > 1 (a multiple of the starting test loss)")
+        if isinstance(self.checkpoint, dict):
+            # The config gives a mapping (`checkpoint.every=...`): its keys typed as `Checkpointing` declares them.
+            hints, given = typing.get_type_hints(Checkpointing), self.checkpoint
+            unknown = sorted(set(given) - set(hints))
+            if unknown:
+                raise ConfigError(f"checkpoint.{unknown[0]}: checkpoint has no such key (its keys: every, seconds)")
+            typed = {k: _convert(v, hints[k], f"checkpoint.{k}") for k, v in given.items()}
+            object.__setattr__(self, "checkpoint", Checkpointing(**typed))
+
+    @property
+    def guard_limit(self) -> float | None:
+        """The divergence guard's multiple of the first test loss, or None with `guard=off`."""
+        return None if self.guard == "off" else self.guard_loss
+
+    @property
+    def checkpoints(self) -> Checkpointing:
+        return self.checkpoint or Checkpointing()
 
 
 # Hydra's own keys inside a group node, never passed to the factory as keyword arguments.

@@ -14,10 +14,10 @@ trainer's traffic), each a few int64 / float64 words:
 Messages between two ranks on one communicator never overtake each other, so the BYE / [-1] pair drains both
 directions at the end: the scheduler has every abort to trace, and no re-sync is left unreceived.
 
-`collsync.torch` runs the same two classes: server rank 0's `_serve.serve` polls a `SchedulerService` from its
-`run_server` loop and tells every worker its counts at the end (`close(tell=True)`), and each worker's
-`DistributedOptimizer` holds a `Speculator` whose safe points are hooks on the user's model (`bye()` when the
-worker leaves, `drain(told=True)` when its optimizer closes).
+`collsync.torch` runs the same two classes: its server rank 0 serves through `collsync.runs.shards.ShardRun`, as
+collsync-train's does, and polls a `SchedulerService` from its `run_server` loop, telling every worker its counts
+at the end (`close(tell=True)`); each worker's `DistributedOptimizer` holds a `Speculator` whose safe points are
+hooks on the user's model (`bye()` when the worker leaves, `drain(told=True)` when its optimizer closes).
 
 The scheduler (`collsync.specsync.Scheduler`) runs inside rank 0's server loop (`loops.run_server(poll=...)`,
 `scheduler=server`), which polls it at least every `POLL_S` and on time for its next timer, or on a rank of its
@@ -28,8 +28,8 @@ unit of the straggler draws, so `abort_time` and `wait` mean the same in the sim
 
 Safe points (where a worker looks for a re-sync and aborts): before each leaf module's forward, after each
 parameter's gradient in the backward pass (`install_safe_points`), and every `SLICE_S` of an injected straggler
-delay (`collsync.train._injected`). A re-sync is acted on only if the server published a newer version than the
-one the gradient is computed on: restarting on the same parameters would gain nothing.
+delay (`collsync.runs.delays.injected`). A re-sync is acted on only if the server published a newer version than
+the one the gradient is computed on: restarting on the same parameters would gain nothing.
 """
 
 from __future__ import annotations

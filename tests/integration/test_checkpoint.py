@@ -78,18 +78,18 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(case: str, tmp_path: P
 def test_a_signal_checkpoints_and_the_run_goes_on_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM between two updates (here: asked for at update 19) writes the checkpoint and the run folder, marked
     incomplete, and ends with Preempted (exit status 143 from the CLI); resumed, the run ends as if never stopped."""
-    from collsync import train
+    from collsync.evaluate import Evaluator
 
     steps = 40
     run(config("sync=backup", f"steps={steps}"), tmp_path / "plain")
-    original = train.Evaluator.__call__
+    original = Evaluator.__call__
 
     def call(self, server) -> None:
         original(self, server)
         if server.version == 19:
             checkpoint.request(signal.SIGTERM)
 
-    monkeypatch.setattr(train.Evaluator, "__call__", call)
+    monkeypatch.setattr(Evaluator, "__call__", call)
     try:
         with pytest.raises(checkpoint.Preempted) as stopped:
             run(config("sync=backup", f"steps={steps}"), tmp_path / "stopped")

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -82,6 +83,13 @@ def test_four_ranks_train_digits(four_ranks, case):
     assert checks["updates"] == steps
     assert checks["pushed"] == checks["applied"] + checks["dropped"]
     assert result["best_acc"] >= 0.85
+
+
+def test_the_summary_names_the_host_of_every_rank(four_ranks):
+    """summary.json of an MPI run lists each rank's host name by rank (one host here): the parameter-server run
+    and both serverless ones."""
+    for case in ("async-sgd", "allreduce", "partial"):
+        assert case_summary(four_ranks, case)["hosts"] == [socket.gethostname()] * 4, case
 
 
 # The README's launch lines at their defaults (300 updates): one (or two) server rank(s) and the workers over MPI.

@@ -1,0 +1,104 @@
+"""The serverless runs: every rank a worker holding a replica of the server, one skeleton with the step as its
+argument. `runtime=allreduce` (full sync, BSP): the mean of every rank's gradient from (bucketed) allreduces.
+`runtime=partial` (backup workers, 000_... Alg. 3-4): rounds through a k-of-n partial allreduce, the first
+`quorum` gradients of round t averaged and the later ones dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from collsync.evaluate import Evaluator
+from collsync.loops import GradFn, run_allreduce, run_partial
+from collsync.rundir import write_run
+from collsync.runs.delays import injected
+from collsync.runs.parts import Launch, grace, keep_on_failure, make_server, progress
+from collsync.runs.resume import replicas_resume
+from collsync.runtime.mpi_buckets import BucketReducer
+from collsync.runtime.mpi_coll import MpiCollective, shutdown
+from collsync.runtime.mpi_partial import PartialAllreduce
+from collsync.server import Server
+from collsync.trace import Trace
+
+OnUpdate = Callable[[Server], None] | None
+
+
+@dataclass
+class Step:
+    """What differs between the serverless runs: the gradients each rank computes, the training loop, what is
+    freed (collectively) before rank 0 writes the run folder and what ends the run after it."""
+
+    grads: GradFn
+    train: Callable[[Server, GradFn, OnUpdate], Any]
+    free: Callable[[], None]
+    shutdown: Callable[[], None]  # the other ranks sleep, rather than spin in MPI, while rank 0 writes
+    evaluates_first: bool  # rank 0 evaluates the starting point (not after a resume)
+
+
+def allreduce_step(launch: Launch) -> Step:
+    """Full sync: the mean from (bucketed) allreduces; a stopped or dead rank ends the run at `sync.deadline`
+    rather than hang every other one."""
+    spec, grads, deadline = launch.parts.runtime, launch.grads, launch.parts.policy.deadline
+    coll = MpiCollective(launch.comm, deadline)
+    reducer = None
+    if launch.sampler is not None:
+        # An injected delay must hold this rank's gradient back, so the reduction follows it (no overlap).
+        grads = injected(grads, launch.sampler, spec.time_scale, lambda: False)
+    elif spec.bucket_mib > 0:
+        # Gradient buckets are reduced while the backward pass runs; the mean is ready when it returns.
+        bucket_bytes = max(1, int(spec.bucket_mib * 2**20))
+        reducer = BucketReducer(launch.comm, launch.flat.buffer, bucket_bytes, eager=True, deadline=deadline)
+        grads = reducer.averaged(grads)
+    averaged = reducer is not None
+
+    def train(server: Server, grads: GradFn, on_update: OnUpdate) -> None:
+        run_allreduce(server, coll, grads, on_update=on_update, averaged=averaged)
+
+    return Step(grads, train, lambda: None, (reducer or coll).shutdown, evaluates_first=False)
+
+
+def partial_step(launch: Launch) -> Step:
+    """Backup workers: rounds of a k-of-n partial allreduce of depth `runtime.depth`."""
+    parts, flat, grads = launch.parts, launch.flat, launch.grads
+    if launch.sampler is not None:
+        # A frozen rank never comes back here: the others go on while it is within `depth` rounds, then wait for it
+        # (for at most sync.deadline, then the run fails naming it).
+        grads = injected(grads, launch.sampler, parts.runtime.time_scale, lambda: False)
+    pa = PartialAllreduce(
+        launch.comm, flat.numel, dtype=flat.params.dtype, depth=parts.runtime.depth, timeout=parts.policy.deadline
+    )
+
+    def train(server: Server, grads: GradFn, on_update: OnUpdate) -> None:
+        run_partial(server, pa, grads, on_update=on_update)
+
+    # `free` is collective; no `finally`: after a failure cli._fail aborts the world.
+    return Step(grads, train, pa.free, lambda: shutdown(launch.comm), evaluates_first=True)
+
+
+def run_replicas(launch: Launch, step_for: Callable[[Launch], Step]) -> dict[str, Any] | None:
+    """Train every replica with `step_for(launch)`'s step; rank 0 evaluates, checkpoints and writes the run
+    folder (returns the summary; the other ranks None)."""
+    parts, run, flat = launch.parts, launch.parts.run, launch.flat
+    rank = launch.comm.Get_rank()
+    step = step_for(launch)
+    trace = Trace()
+    server = make_server(parts, flat, launch.workers, trace)
+    bar = progress(run.steps, run.progress and rank == 0)
+    evaluate = Evaluator(flat, parts.data, trace, run.eval_every, bar, guard_loss=run.guard_limit)
+    update = replicas_resume(launch, server, trace, evaluate)
+    hosts = {"hosts": launch.hosts}
+
+    def save(why: str) -> None:
+        write_run(launch.out_dir, trace, parts.policy, server, parts.config, extra={"incomplete": why, **hosts})
+
+    with keep_on_failure(save if rank == 0 else None, grace(parts.policy.deadline)):
+        if step.evaluates_first and rank == 0 and server.version == 0:
+            evaluate(server)
+        step.train(server, step.grads, update)
+    if bar is not None:
+        bar.close()
+    step.free()
+    result = write_run(launch.out_dir, trace, parts.policy, server, parts.config, extra=hosts) if rank == 0 else None
+    step.shutdown()
+    return result
