@@ -125,33 +125,11 @@ class Simulator:
                 # A slow server is still busy with its last update: the gradient waits for it, in arrival order.
                 self._schedule(self._busy_until, _PUSH, w, payload)
                 continue
-            before = server.version
             if kind == _WAKE:
                 for v in payload:
                     self._try_start(v)
                 continue
-            if kind == _PUSH:
-                arrival: Arrival = payload
-                server.accept(arrival)
-            elif kind == _TIMEOUT:
-                server.expire(payload)
-            woken = {w} if kind == _PUSH else set()
-            if server.version != before:
-                if on_update is not None:
-                    on_update(server)
-                woken |= self._waiting
-                self._waiting.clear()
-            self._arm_timeout(server)
-            if slow > 0 and server.version != before and not server.done:
-                # Workers see the new version only once the slow server is done with it.
-                self._busy_until = self.now + slow
-                self._schedule(self._busy_until, _WAKE, -1, sorted(woken))
-                woken = set()
-            for v in sorted(woken):
-                self._try_start(v)
-            if server.done and self._frozen_clock is None:
-                # Gradients still in flight are dropped "at" the end of training, not when they would have landed.
-                self._frozen_clock = self.now
+            self._deliver(server, kind, w, payload, slow, on_update)
         if not server.done:
             raise Deadlock(
                 f"sync={server.policy.name}: the simulated server stopped at version {server.version} of "
@@ -161,6 +139,41 @@ class Simulator:
             )
         server.drain()
         return server
+
+    def _deliver(
+        self,
+        server: Server,
+        kind: int,
+        w: int,
+        payload: Any,
+        slow: float,
+        on_update: Callable[[Server], None] | None,
+    ) -> None:
+        """A gradient (`_PUSH` from worker `w`) or a collection timeout (`_TIMEOUT`) reaches the server; then start
+        the pusher and every worker the policy held back, if an update let them go (after a slow server's pause)."""
+        before = server.version
+        if kind == _PUSH:
+            arrival: Arrival = payload
+            server.accept(arrival)
+        else:
+            server.expire(payload)
+        woken = {w} if kind == _PUSH else set()
+        if server.version != before:
+            if on_update is not None:
+                on_update(server)
+            woken |= self._waiting
+            self._waiting.clear()
+        self._arm_timeout(server)
+        if slow > 0 and server.version != before and not server.done:
+            # Workers see the new version only once the slow server is done with it.
+            self._busy_until = self.now + slow
+            self._schedule(self._busy_until, _WAKE, -1, sorted(woken))
+            woken = set()
+        for v in sorted(woken):
+            self._try_start(v)
+        if server.done and self._frozen_clock is None:
+            # Gradients still in flight are dropped "at" the end of training, not when they would have landed.
+            self._frozen_clock = self.now
 
     def _try_start(self, w: int) -> None:
         server, worker = self._server, self._workers[w]
