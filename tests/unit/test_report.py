@@ -315,3 +315,19 @@ def test_choose_backups_refuses_a_run_that_did_not_wait_for_all(tmp_path, capsys
     assert "measure arrivals with sync=bsp" in err
     assert main(["--choose-backups", str(run), str(run)]) == 2
     assert "takes one run folder, got 2 paths" in capsys.readouterr().err
+
+
+def test_report_probes_every_folder_it_writes_before_writing(tmp_path, capsys):
+    root = sweep(tmp_path / "sweep", syncs=("bsp",), seeds=(0, 1))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a regular file where a folder should be\n")
+    # One run into --out under a file, several with --each: refused in one line, nothing written anywhere.
+    for argv in ([str(root / "0"), "--out", str(blocker / "out")], [str(root), "--each", "--out", str(blocker)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and re.match(r"^collsync-report: error: the output folder '.*a-file.*' cannot be ", err)
+        assert "[Errno 20] Not a directory" in err, err
+    assert not (root / "report").exists() and not (root / "0" / "metrics.csv").exists()
+    # A folder that can be written is left as it was: the probe's file is gone.
+    assert main([str(root / "0"), "--out", str(tmp_path / "ok")]) == 0
+    assert not [p for p in (tmp_path / "ok").iterdir() if p.name.startswith(".write-probe")]
