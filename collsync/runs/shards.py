@@ -219,7 +219,7 @@ class ShardRun:
         if launch is None or launch.sampler is None or shards is None:
             return 0.0
         model = launch.parts.stragglers
-        return model.slow_server * launch.parts.runtime.time_scale if shards.rank == model.slow_shard else 0.0
+        return model.slow_server * launch.parts.runtime.time_scale if shards.rank == model.shard else 0.0
 
     def _on_failure(self, server: Server) -> contextlib.AbstractContextManager[Any]:
         """A worker stopped, hung or died, or training diverged: rank 0 keeps what was trained before the error
