@@ -5,9 +5,11 @@
 set -uo pipefail
 DIR=${1:-${COLLSYNC_SLURM_DIR:-/tmp/collsync-slurm}}
 [ -d "$DIR" ] || exit 0
-for name in slurmd slurmctld munged; do
-    file="$DIR/$name.pid"
+# slurmd-<host>.pid: the slurmd of each host of a multi-node cluster (scripts/slurm_up.sh, COLLSYNC_SLURM_HOSTS).
+for file in "$DIR"/slurmd.pid "$DIR"/slurmd-*.pid "$DIR"/slurmctld.pid "$DIR"/munged.pid; do
     [ -f "$file" ] || continue
+    name=$(basename "$file" .pid)
+    name=${name%%-*}
     pid=$(cat "$file")
     # Only a process that is still this daemon: a recycled PID must not be killed.
     if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ]; then

@@ -11,6 +11,12 @@
 # Idempotent: when DIR's cluster already answers, it only says so. On failure it prints one line, writes the same
 # line to DIR/unavailable (tests/slurm skip with it as the reason) and exits 1.
 #
+# Several nodes: with COLLSYNC_SLURM_HOSTS="node0 node1 node2" (hosts of the cluster in one box that
+# scripts/cluster_up.sh made; use another DIR, e.g. /tmp/collsync-slurm-multi), slurmctld runs on the first host and
+# one slurmd on each host, inside its namespace and under its name, each node given all of this machine's CPUs (the
+# nodes share them: a job asking more tasks than the real CPUs needs --overcommit). Slurm commands then run on a
+# host: DIR/bin/on-head sbatch -N 2 ... (it sets SLURM_CONF and enters the first host's namespace).
+#
 # The cluster: one node named after this host with all its CPUs, one partition, no accounting. Finished jobs stay
 # visible to `squeue -t all` and `scontrol show job` for a day (MinJobAge), which the `sacct` stand-in reads:
 # submitit asks `sacct` for job states and would poll for ever on a cluster without accounting. MpiDefault=none as
@@ -29,11 +35,19 @@ fail() {
 }
 
 # The node answers idle (asked only while our slurmctld runs: sinfo waits 10 s for a controller that is not there).
+HOSTS=${COLLSYNC_SLURM_HOSTS:-}
+HEAD=${HOSTS%% *}
+# A command where the controller is reachable: this host, or the first host of the cluster in one box.
+at_head() {
+    if [ -n "$HEAD" ]; then ip netns exec "$HEAD" "$@"; else "$@"; fi
+}
+# Every node answers idle.
 up() {
-    local pid
+    local pid states
     pid=$(cat "$DIR/slurmctld.pid" 2>/dev/null) || return 1
     [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmctld ] || return 1
-    SLURM_CONF="$DIR/slurm.conf" timeout 10 sinfo -h -o '%T' 2>/dev/null | grep -qx idle
+    states=$(SLURM_CONF="$DIR/slurm.conf" at_head timeout 10 sinfo -h -N -o '%T' 2>/dev/null | sort -u)
+    [ "$states" = idle ]
 }
 
 if up; then
@@ -54,27 +68,46 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
         || fail "apt-get install ${packages[*]} failed (see $DIR/apt.log)"
 fi
 
-host=$(hostname -s)
+host=${HEAD:-$(hostname -s)}
+for h in $HOSTS; do
+    [ -f "/etc/netns/$h/hosts" ] || fail "no host $h in the cluster in one box (bash scripts/cluster_up.sh first)"
+done
 # nproc alone would count OMP_NUM_THREADS (tests/run.sh exports 1), not the CPUs this process may use.
 cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 # A fresh cluster every time: no jobs or node states left from an earlier one.
 rm -rf "$DIR/state" "$DIR/spool"
 mkdir -p "$DIR/state" "$DIR/spool" "$DIR/bin"
+for h in ${HOSTS:-$host}; do mkdir -p "$DIR/spool/$h"; done
+# A host's address in the cluster in one box (the daemons do not see its /etc/netns names: see start below).
+address() {
+    awk -v h="$1" '$2 == h {print $1}' "/etc/netns/$1/hosts"
+}
+# The NodeName and PartitionName lines: this host, or every host of the cluster in one box at its address.
+nodes() {
+    local h addr list=""
+    for h in ${HOSTS:-$host}; do
+        addr=""
+        [ -z "$HOSTS" ] || addr=" NodeAddr=$(address "$h")"
+        echo "NodeName=$h$addr CPUs=$cpus State=UNKNOWN"
+        list=${list:+$list,}$h
+    done
+    echo "PartitionName=debug Nodes=$list Default=YES MaxTime=INFINITE State=UP"
+}
 cat >"$DIR/slurm.conf" <<EOF
 # Written by scripts/slurm_up.sh: a single-node cluster for tests (no systemd, no cgroups, no accounting).
 ClusterName=collsync
-SlurmctldHost=$host
+SlurmctldHost=$host$([ -z "$HEAD" ] || echo "($(address "$HEAD"))")
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 SlurmctldPort=${COLLSYNC_SLURMCTLD_PORT:-6817}
 SlurmdPort=${COLLSYNC_SLURMD_PORT:-6818}
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/state/slurmctld.pid
-SlurmdPidFile=$DIR/spool/slurmd.pid
+SlurmdPidFile=$DIR/spool/%n/slurmd.pid
 SlurmctldLogFile=$DIR/slurmctld.log
-SlurmdLogFile=$DIR/slurmd.log
+SlurmdLogFile=$DIR/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -90,8 +123,7 @@ FirstJobId=$(( $(date +%s) % 1000000 * 10 + 1000 ))
 SchedulerParameters=sched_interval=1
 # A failed MPI step is killed (SIGKILL) this many seconds after SIGTERM; the default 30 s slows every failing test.
 KillWait=5
-NodeName=$host CPUs=$cpus State=UNKNOWN
-PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+$(nodes)
 EOF
 
 # submitit's job watcher runs `sacct -o JobID,State,NodeList --parsable2 -j ID ...`; without accounting this stand-in
@@ -107,6 +139,13 @@ cat >"$DIR/env.sh" <<EOF
 export SLURM_CONF=$DIR/slurm.conf
 export PATH=$DIR/bin:\$PATH
 EOF
+cat >"$DIR/bin/on-head" <<EOF
+#!/bin/sh
+# Run a Slurm command (sbatch, srun, squeue, ...) where this cluster's controller answers.
+export SLURM_CONF=$DIR/slurm.conf PATH=$DIR/bin:\$PATH
+exec ${HEAD:+ip netns exec $HEAD} "\$@"
+EOF
+chmod +x "$DIR/bin/on-head"
 
 # munged refuses to run as root; reuse one that already answers (the system's), else start ours.
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
@@ -118,19 +157,33 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 
 export SLURM_CONF="$DIR/slurm.conf"
-# -D: stay in the foreground of a background job, so the PID recorded is the daemon's own.
-setsid slurmctld -D -i -f "$SLURM_CONF" >>"$DIR/slurmctld.out" 2>&1 </dev/null &
-echo $! >"$DIR/slurmctld.pid"
-setsid slurmd -D -f "$SLURM_CONF" >>"$DIR/slurmd.out" 2>&1 </dev/null &
-echo $! >"$DIR/slurmd.pid"
+# start HOST NAME COMMAND...: a daemon in the background, its PID in DIR/NAME.pid. -D keeps each in the foreground
+# of its background job, so the PID recorded is the daemon's own; on a host of the cluster in one box it runs in the
+# host's network namespace under the host's name (nsenter, unshare and sh each exec the next). nsenter, not
+# `ip netns exec`: that one remounts /sys, without the cgroup mounts slurmd needs to start.
+start() {
+    local h=$1 name=$2
+    shift 2
+    if [ -n "$HOSTS" ]; then
+        set -- nsenter --net="/run/netns/$h" unshare -u sh -c 'hostname "$0"; exec "$@"' "$h" "$@"
+    fi
+    setsid "$@" >>"$DIR/$name.out" 2>&1 </dev/null &
+    echo $! >"$DIR/$name.pid"
+}
+start "$host" slurmctld slurmctld -D -i -f "$SLURM_CONF"
+if [ -n "$HOSTS" ]; then
+    for h in $HOSTS; do start "$h" "slurmd-$h" slurmd -D -N "$h" -f "$SLURM_CONF"; done
+else
+    start "$host" slurmd slurmd -D -f "$SLURM_CONF"
+fi
 
 deadline=$((SECONDS + WAIT_S))
 until up; do
     if [ "$SECONDS" -ge "$deadline" ]; then
-        state=$(sinfo -h -o '%T' 2>/dev/null | head -1)
+        state=$(at_head sinfo -h -o '%T' 2>/dev/null | head -1)
         bash scripts/slurm_down.sh "$DIR" >/dev/null 2>&1 || true
         fail "the node was not idle within ${WAIT_S} s (sinfo: ${state:-no answer}; see $DIR/slurmctld.log)"
     fi
     sleep 0.2
 done
-echo "slurm_up: node $host idle with $cpus CPUs in $SECONDS s (SLURM_CONF=$DIR/slurm.conf)"
+echo "slurm_up: ${HOSTS:-$host} idle with $cpus CPUs each in $SECONDS s (SLURM_CONF=$DIR/slurm.conf)"
