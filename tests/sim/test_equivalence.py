@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from collsync.checks import check_trace
+from collsync.cli import CONF_DIR
 from collsync.data import Batches
 from collsync.loops import Gradients
+from collsync.metrics import summary
 from collsync.policy import asynchronous, backup, bsp, ssp
-from collsync.rules import momentum
+from collsync.rules import combine, fasgd, momentum
+from collsync.server import Server
 from collsync.sim import Deadlock
 from collsync.stragglers import Stragglers, gamma_heterogeneous
-from collsync.types import Context
+from collsync.types import Arrival, Context
 
 from .helpers import DATA, flat_model, simulate
 
@@ -107,8 +112,6 @@ def test_frozen_worker_backup_trains_and_bsp_reports_it():
 
 
 def test_bfasgd_transmits_less_as_c_grows_and_settles_every_push():
-    from collsync.metrics import summary
-    from collsync.rules import fasgd
 
     ratios = []
     for c in (0.0, 3000.0):
@@ -142,13 +145,6 @@ METHODS = [
 def test_every_async_method_with_one_worker_is_sequential_training(method):
     """One asynchronous worker never sees a stale gradient: the simulated run equals feeding the server by hand,
     gradient after gradient, each computed on the parameters it just published."""
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    from collsync.cli import CONF_DIR
-    from collsync.rules import combine
-    from collsync.server import Server
-    from collsync.types import Arrival
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"method={method}", "sync=async"])

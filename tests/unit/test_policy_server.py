@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from collsync.checks import TraceError, check_trace
+from collsync.loops import Worker
 from collsync.policy import SyncPolicy, Transmit, asynchronous, backup, ssp
-from collsync.rules import sgd
+from collsync.rules import fasgd, gap_aware, sgd
+from collsync.rules.base import EmptyState, Rule
 from collsync.server import Server, replay
 from collsync.trace import Trace
 from collsync.types import Arrival
@@ -117,7 +119,6 @@ def test_replay_reproduces_the_parameters():
 
 
 def test_history_kept_only_for_rules_that_read_it_and_pruned():
-    from collsync.rules.base import EmptyState, Rule
 
     seen = []
 
@@ -139,7 +140,6 @@ def test_history_kept_only_for_rules_that_read_it_and_pruned():
 
 
 def test_gap_aware_updates_record_their_gap():
-    from collsync.rules import gap_aware
 
     server = Server(
         torch.zeros(3, dtype=torch.float64), sgd(lr=1.0), asynchronous(), 2, penalty=gap_aware(), trace=Trace()
@@ -152,8 +152,6 @@ def test_gap_aware_updates_record_their_gap():
 
 
 def test_bfasgd_skipped_push_reapplies_the_last_gradient_and_needs_fasgd():
-    from collsync.loops import Worker
-    from collsync.rules import fasgd
 
     policy = asynchronous(c_push=5.0, c_fetch=5.0)
     server = Server(torch.zeros(3, dtype=torch.float64), fasgd(lr=1.0), policy, 2, trace=Trace())

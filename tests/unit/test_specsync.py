@@ -4,12 +4,18 @@ schedules, Algorithm 1 on hand-made push logs, and the config's refusals."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from collsync.cli import CONF_DIR, user_error
+from collsync.flat import FlatModel
+from collsync.loops import Gradients
+from collsync.models import mlp
 from collsync.policy import specsync
-from collsync.specsync import Scheduler, Speculation, tune
+from collsync.runtime.mpi_specsync import install_safe_points
+from collsync.specsync import Aborted, Scheduler, Speculation, tune
+from collsync.torch.config import from_config, sync_config
 
 
 def cherrypick(workers: int, abort_time: float, abort_rate: float) -> Scheduler:
@@ -145,14 +151,6 @@ def test_specsync_runs_over_asp_and_ssp():
 
 
 def test_safe_points_abort_a_gradient_between_layers():
-    import torch
-
-    from collsync.flat import FlatModel
-    from collsync.loops import Gradients
-    from collsync.models import mlp
-    from collsync.runtime.mpi_specsync import install_safe_points
-    from collsync.specsync import Aborted
-
     flat = FlatModel(mlp(input_shape=(4,), classes=3, hidden=[8], seed=0))
     x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
     calls: list[int] = []
@@ -183,7 +181,6 @@ def test_safe_points_abort_a_gradient_between_layers():
 def test_collsync_torch_takes_specsync_but_refuses_a_scheduler_rank_of_its_own():
     """Through collsync.torch the scheduler runs in server rank 0's loop; a rank of its own would be a third role in
     a world whose roles are fixed at init(), so it is refused in one line (config object and Hydra config alike)."""
-    from collsync.torch.config import from_config, sync_config
 
     assert sync_config(specsync()).policy.speculation is not None
     with pytest.raises(ValueError, match="runs in collsync-train only"):
