@@ -47,6 +47,10 @@ bash scripts/cluster_down.sh
 echo "== Slurm tests (tests/slurm) on a single-node cluster started here"
 # scripts/slurm_up.sh needs root and apt-get; where it cannot start Slurm it says why, and tests/slurm skip with that
 # reason (-rs prints it). The cluster is stopped when this script ends, whether the tests pass or not.
-trap 'bash scripts/slurm_down.sh' EXIT
+trap 'bash scripts/slurm_down.sh; bash scripts/slurm_down.sh /tmp/collsync-slurm-multi; bash scripts/cluster_down.sh' EXIT
 bash scripts/slurm_up.sh || true
+# And a multi-node one for tests/slurm/test_multinode.py: slurmctld on node0, a slurmd on each host of the cluster in
+# one box (where it cannot start, those tests skip saying why).
+{ bash scripts/cluster_up.sh && COLLSYNC_SLURM_HOSTS="node0 node1 node2" bash scripts/slurm_up.sh /tmp/collsync-slurm-multi; } \
+    || true
 "$PY" -m pytest tests/slurm -q -rs
