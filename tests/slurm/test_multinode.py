@@ -63,7 +63,6 @@ def wait(job: str, timeout: float = 300) -> str:
 
 def test_sbatch_train_runs_across_two_nodes(nodes, tmp_path):
     """slurm/train.sbatch as it is, with -N 2: the run's ranks (summary.json's hosts) on both nodes."""
-    (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
     script = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"
     args = ["sbatch", "--parsable", "-N", "2", "--ntasks=4", "--overcommit", str(script)]
     proc = head(*args, "sync=async", "steps=60", "eval_every=30", "progress=false", cwd=tmp_path)
