@@ -33,7 +33,9 @@ from collsync.rules import (
     staleness_aware,
     staleness_aware_step,
 )
+from collsync.rules.base import SIGNAL
 from collsync.server import Server
+from collsync.trace import Trace
 from collsync.types import Arrival, Context
 
 
@@ -240,3 +242,31 @@ def test_wrappers_reject_a_non_rule():
     for wrap in (staleness_aware_step, lambda o: gradual_warmup(o, 1), lambda o: linear_scaling(o, 1)):
         with pytest.raises(TypeError, match="must be a Rule"):
             wrap("momentum")  # type: ignore[arg-type]
+
+
+def test_rules_report_their_statistics_through_chains_and_wrappers():
+    # Gap-Aware's mean Gap and FASGD's v (the signal) come from the rules themselves, however they are composed.
+    params, read = t(1.0, 1.0), t(0.0, 1.0)
+    ctx = Context(step=0, worker=0, staleness=1, read=read)
+    penalty = chain(identity(), gap_aware(eta_max=1.0, beta=0.5, eps=1e-8, momentum=0.0))
+    _, state = penalty.update(t(2.0, 2.0), penalty.init(params), params, ctx)
+    # v = g; m_hat = g^2, C = |g| = 2; G = |theta - read| / C + 1 = [1.5, 1]: mean 1.25.
+    assert penalty.stats(state) == {"gap": pytest.approx(1.25)}
+    assert identity().stats is None and chain(identity(), sgd()).stats is None
+    optimizer = linear_scaling(staleness_aware_step(fasgd(lr=0.1)), c=1)
+    _, state = optimizer.update(t(2.0, 0.0), optimizer.init(params), params, ctx)
+    expected = (0.1 / math.sqrt(0.36 + 1e-8) + 0.1 / math.sqrt(1e-8)) / 2
+    assert optimizer.stats(state) == {SIGNAL: pytest.approx(expected)}
+    both = chain(gap_aware(), fasgd())
+    assert set(both.stats(both.init(params))) == {"gap", SIGNAL}
+
+
+def test_an_optimizer_statistic_is_recorded_per_update_of_one_gradient():
+    # Adam-GA measures its Gap inside the optimizer: the apply event of a one-gradient update records it, and the
+    # server publishes no signal (Adam-GA reports none).
+    server = Server(t(0.0, 0.0), adam_ga(lr=0.1), asynchronous(), 2, trace=Trace())
+    server.accept(Arrival(0, 0, t(1.0, 2.0)))
+    server.accept(Arrival(1, 0, t(1.0, 2.0)))
+    first, second = server.trace.of("apply")
+    assert first["gap"] == [1.0] and second["gap"][0] > 1.0
+    assert server.stamp().signal == 0.0
