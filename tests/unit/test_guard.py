@@ -59,7 +59,9 @@ def test_data_with_a_nan_feature_is_refused_when_it_loads(tmp_path):
     x[3, 1] = np.nan
     path = tmp_path / "bad.npz"
     np.savez(path, x_train=x, y_train=np.arange(6) % 2, x_test=x[:2] * 0, y_test=np.array([0, 1]))
-    with pytest.raises(ValueError, match=r"train features hold non-finite values \(1; the first, nan, in row 3\)"):
+    with pytest.raises(
+        ValueError, match=r"train features hold non-finite values \(1; the first, nan, in x_train row 3\)"
+    ):
         npz(str(path))
 
 
