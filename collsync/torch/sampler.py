@@ -1,0 +1,194 @@
+"""`DistributedSampler`: torch's, with the epoch's data shared by speed in the modes that let workers differ.
+
+Torch's sampler gives every worker a fixed shard of each epoch (`indices[rank::num_replicas]`), so an epoch lasts as
+long as the slowest worker takes over its shard. Here, in the modes where workers need not take the same number of
+steps, the workers instead take chunks of `batch_size` positions of the epoch's permutation from one shared counter
+(`runtime.mpi_counter.SharedCounter`: an MPI window on worker 0, `MPI_Fetch_and_op`): chunk k of an epoch holds
+positions [k*B, (k+1)*B) of `randperm(len(dataset))` seeded with `seed + epoch` (the same permutation on every worker,
+as torch's), ticket t of the counter is chunk t - base of the pass that began at ticket base, and a worker's epoch
+ends when its ticket lies beyond the epoch. Every sample is handed out exactly once per epoch, fast workers take
+more of it (a worker 3x slower takes about a third of a fast one's share), and which worker gets which chunk is
+fixed by the order in which the takes reached the counter. A ticket drawn past the epoch's end is kept for the
+worker's next epoch, so no chunk is lost between epochs.
+
+Which mode uses which (`shared=None`, decided from `init`'s world):
+
+* shared counter: a parameter-server world (`init` reserved servers) whose mode, given to `init(sync=...)`, applies
+  gradients as a stream rather than in rounds: `async`, `bfasgd`, `specsync` over async. A worker that took fewer
+  batches holds nobody up, at an epoch's end either.
+* torch's fixed shards, bit for bit: everything else. `bsp` and serverless `backup` apply every round on every
+  replica, so every worker must take the same number of steps (and a Horovod script's results stay identical). The
+  round modes on servers (`ssp`, `psp`, `backup`, `specsync` over ssp) complete round t only with enough pushes for
+  it: a worker whose data ran out first and that waits at the epoch's end (an `allreduce` of metrics, evaluation)
+  would leave the others' last round short of pushes, a deadlock; and SSP lets a worker lead by at most `max_lead`
+  rounds, so it could take only that many more batches anyway. A mode given to `DistributedOptimizer` only is not
+  known when the sampler is built: fixed shards then.
+
+`shared=True` or `False` overrides the choice (True needs `collsync.torch.init()`; the counter then spans its
+workers). A DataLoader should take `batch_size` equal to the sampler's, so that one take hands out one batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data import DistributedSampler as TorchDistributedSampler
+
+from collsync.policy import SyncPolicy
+from collsync.runtime.mpi_counter import SharedCounter
+from collsync.torch import _world
+
+
+def uses_counter(servers: int, policy: SyncPolicy | None) -> bool:
+    """Whether `shared=None` takes the shared counter: servers reserved and a stream mode (see the module)."""
+    return servers > 0 and policy is not None and not policy.rounds
+
+
+class DistributedSampler(TorchDistributedSampler):
+    """torch's `DistributedSampler` (same arguments, `set_epoch`, `__len__`), plus `batch_size` (the positions one
+    take hands out), `shared` (see the module docstring), `state_dict()` / `load_state_dict()` and `taken`.
+
+    `len()` is torch's fair share (`ceil(N / num_replicas)`); with the shared counter a worker's real count varies
+    with its speed: `taken` is the number of samples it got in its current (or last) epoch. With `drop_last` the
+    shared counter drops the epoch's last chunk if it is short (every chunk a full batch); without it, the last chunk
+    is shorter and nothing is padded (torch's fixed shards drop or repeat samples to even the shards out).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        batch_size: int = 1,
+        shared: bool | None = None,
+    ) -> None:
+        what = "collsync.torch.DistributedSampler"
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"{what}: batch_size={batch_size!r} must be a whole number >= 1")
+        if shared is None:
+            st = _world._STATE
+            shared = st is not None and uses_counter(st.servers, st.sync.policy if st.sync is not None else None)
+        if shared or num_replicas is None or rank is None:
+            comm = _world.state(f"{what} (without num_replicas and rank, or with shared=True)").comm
+            if shared and (num_replicas, rank) not in ((None, None), (comm.Get_size(), comm.Get_rank())):
+                raise ValueError(
+                    f"{what}: shared=True spans collsync's {comm.Get_size()} workers; num_replicas={num_replicas}, "
+                    f"rank={rank} must be size()={comm.Get_size()}, rank()={comm.Get_rank()} (or left out)"
+                )
+            num_replicas = comm.Get_size() if num_replicas is None else num_replicas
+            rank = comm.Get_rank() if rank is None else rank
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
+        self.batch_size = batch_size
+        self.shared = bool(shared)
+        self.taken = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, position) from load_state_dict, for that epoch only
+        self._pass = (0, 0, 0)  # the current pass: (first ticket, chunks, start position)
+        self._base = 0  # the first ticket of the next pass
+        self._held: int | None = None  # a ticket drawn past the last pass's end: the next pass's
+        self._started = False
+        self._position = 0  # fixed shards: samples of this worker's shard handed out this epoch
+        self.counter: SharedCounter | None = None
+        if self.shared:
+            st = _world.state(what)
+            self.counter = SharedCounter(st.comm)  # collective over the workers
+            st.cleanups.append(self.close)
+
+    def close(self) -> None:
+        """Free the counter's window (collective over the workers; `shutdown()` does it for samplers still open)."""
+        if self.counter is None:
+            return
+        st = _world._STATE
+        if st is not None and self.close in st.cleanups:
+            st.cleanups.remove(self.close)
+        self.counter.free()
+        self.counter = None
+
+    def _start(self) -> int:
+        """The position this epoch starts at: a resumed one's, else 0."""
+        self._started = True
+        resume, self._resume = self._resume, None
+        return resume[1] if resume is not None and resume[0] == self.epoch else 0
+
+    def __iter__(self) -> Iterator[int]:
+        if self.counter is not None:
+            return self._shared(self.counter)
+        if self.shared:
+            raise ValueError("collsync.torch.DistributedSampler: this sampler is closed (its counter freed)")
+        return self._fixed()
+
+    def _fixed(self) -> Iterator[int]:
+        """torch's shard of this worker, from the resumed position if there is one."""
+        start = self._start()
+        indices = list(super().__iter__())[start:]
+        self._position = start
+        for index in indices:
+            self._position += 1
+            yield index
+
+    def _order(self) -> list[int]:
+        """The epoch's permutation, as torch's sampler makes it (before it pads or cuts the shards)."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _shared(self, counter: SharedCounter) -> Iterator[int]:
+        """This worker's chunks of the epoch, one take each, taken only once the previous chunk was handed out."""
+        start, order, size = self._start(), self._order(), self.batch_size
+        left = max(0, len(order) - start)
+        chunks = left // size if self.drop_last else math.ceil(left / size)
+        base = self._base
+        self._pass, self._base, self.taken = (base, chunks, start), base + chunks, 0
+        while True:
+            ticket = self._held if self._held is not None else counter.take()
+            self._held = None
+            if ticket >= base + chunks:  # the epoch is all handed out: this ticket is the next epoch's
+                self._held = ticket
+                return
+            lo = start + (ticket - base) * size
+            chunk = order[lo : min(lo + size, len(order))]
+            self.taken += len(chunk)
+            yield from chunk
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the position in it: with the shared counter, the samples of the epoch handed out to all
+        workers (one atomic read of the counter); with fixed shards, those of this worker's shard (the same on every
+        worker, which all take the same steps). Positions count what the iterator handed out: a DataLoader with
+        workers fetches a few batches ahead of training."""
+        if self.shared and self.counter is not None and self._started:
+            base, chunks, start = self._pass
+            handed = min(max(self.counter.load() - base, 0), chunks)
+            position = min(start + handed * self.batch_size, len(self.dataset))  # type: ignore[arg-type]
+        elif self._resume is not None:
+            position = self._resume[1] if self._resume[0] == self.epoch else 0
+        else:
+            position = self._position if not self.shared else 0
+        return {"epoch": self.epoch, "position": position, "shared": self.shared, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from `state_dict()`'s epoch and position: the next epoch iterated with that epoch number (after
+        `set_epoch`) starts there; another epoch starts at 0. With the shared counter, call it on every worker
+        before the first epoch (the counter of a new run starts at 0)."""
+        what = "collsync.torch.DistributedSampler.load_state_dict"
+        epoch, position = state.get("epoch"), state.get("position")
+        if not isinstance(epoch, int) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"{what}: state needs whole numbers epoch and position >= 0, got {state!r}")
+        if bool(state.get("shared", self.shared)) != self.shared:
+            raise ValueError(
+                f"{what}: saved with shared={state.get('shared')}, this sampler has shared={self.shared}: the "
+                "positions count different things (the epoch's samples handed out, or this worker's shard)"
+            )
+        if self.shared and self._started:
+            raise ValueError(f"{what}: the shared counter has handed out chunks already; load before the first epoch")
+        self.set_epoch(epoch)
+        self._resume = (epoch, position)
