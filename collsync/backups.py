@@ -22,7 +22,7 @@ collsync's backup policy runs them in the simulator and over MPI.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +79,7 @@ def worker_arrivals(trace: TraceLike) -> dict[int, list[float]]:
     return out
 
 
-def replay_round_time(arrivals: dict[int, Sequence[float]], quorum: int, rounds: int = 5000, seed: int = 0) -> float:
+def replay_round_time(arrivals: Mapping[int, Sequence[float]], quorum: int, rounds: int = 5000, seed: int = 0) -> float:
     """The mean round time of len(arrivals) workers waiting for the first `quorum` gradients per round, over
     `rounds` replayed rounds.
 

@@ -122,14 +122,15 @@ class Server:
             raise ValueError(f"server: arrival from worker {arrival.worker} outside 0..{self.workers - 1}")
         self.received[arrival.worker] += 1
         self.clocks[arrival.worker] = max(self.clocks[arrival.worker], arrival.clock)
-        repeat = arrival.grad is None
-        if repeat:
-            last = self._last.get(arrival.worker)
-            if last is None:
+        grad = arrival.grad
+        repeat = grad is None
+        if grad is None:
+            grad = self._last.get(arrival.worker)
+            if grad is None:
                 raise ValueError(f"server: worker {arrival.worker} skipped a push before it ever pushed")
-            arrival = arrival._replace(grad=last)
+            arrival = arrival._replace(grad=grad)
         elif self.policy.bandwidth_aware:
-            self._last[arrival.worker] = arrival.grad
+            self._last[arrival.worker] = grad
         self._note(
             "push",
             worker=arrival.worker,
@@ -141,12 +142,12 @@ class Server:
         if self.done or (self.policy.rounds and arrival.clock < self.version):
             self._drop(arrival, "finished" if self.done else "late")
             return False
-        if self.guard != "off" and not _finite(arrival.grad):
+        if self.guard != "off" and not _finite(grad):
             if self.guard == "skip":
                 self._drop(arrival, "nonfinite")
                 return False
             raise Diverged(
-                f"guard: worker {arrival.worker} sent a non-finite gradient ({_first_bad(arrival.grad)}) at server "
+                f"guard: worker {arrival.worker} sent a non-finite gradient ({_first_bad(grad)}) at server "
                 f"step {self.version} (guard=skip drops such gradients, guard=off lets them through)"
             )
         key = arrival.clock if self.policy.rounds else -1
@@ -239,6 +240,7 @@ class Server:
                 read=self._history.get(a.version) if self.needs_read else None,
                 aggregated=len(batch),
             )
+            assert a.grad is not None  # `accept` put the worker's last gradient in place of a skipped push
             g, self.pen_state = self.penalty.update(a.grad, self.pen_state, self.params, ctx)
             if self.penalty.stats is not None:
                 for key, value in self.penalty.stats(self.pen_state).items():
@@ -289,7 +291,7 @@ class Server:
         self.version += 1
         self.applied += len(batch)
         self._view = None
-        if self.ema is not None:
+        if self.ema is not None and self.ema_decay is not None:
             self.ema.mul_(self.ema_decay).add_(self.params, alpha=1.0 - self.ema_decay)
         if self.needs_read:
             self._remember(batch)

@@ -52,7 +52,7 @@ class Simulator:
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
         # The run's state between events (set up by the first `run`, or by `load_state_dict`).
-        self._workers: list[Worker] | None = None
+        self._workers: list[Worker] = []  # none until the first `run` or `load_state_dict`
         self._held: list[Flat | None] = [None] * workers  # what each worker computes on
         self._waiting: set[int] = set()  # held back by the policy until the next update
         self._frozen_set: set[int] = set()  # frozen by the straggler model
@@ -95,7 +95,7 @@ class Simulator:
         if server.trace is not self.trace:
             raise ValueError("runtime: build the Server with trace=simulator.trace so events carry simulated time")
         self._server, self._grads = server, grads
-        if self._workers is None:
+        if not self._workers:
             self._speculate(server.policy)
             self._workers = [Worker(w, server.policy, seed=self.seed) for w in range(self.workers)]
             for w in range(self.workers):
@@ -109,7 +109,8 @@ class Simulator:
             if kind == _PUSH and seq in self._cancelled:
                 self._cancelled.discard(seq)  # an aborted gradient: it never leaves its worker
                 continue
-            if kind == _PUSH and self._current[w] is not None and self._current[w][1] == seq:
+            current = self._current[w] if kind == _PUSH else None
+            if current is not None and current[1] == seq:
                 self._current[w] = None  # its computation is over: a re-sync now comes too late to abort it
                 if self.scheduler is not None:
                     self._pull_at[w] = t + self.scheduler.speculation.wait
@@ -273,7 +274,7 @@ class Simulator:
 
     def state_dict(self) -> dict[str, Any]:
         """The simulation between two events, in plain types (for a checkpoint; the server's state is its own)."""
-        assert self._workers is not None, "state_dict() of a simulator that never ran"
+        assert self._workers, "state_dict() of a simulator that never ran"
         heap = [
             [t, seq, kind, w, payload._asdict() if kind == _PUSH else payload]
             for t, seq, kind, w, payload in self._heap

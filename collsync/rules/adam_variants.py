@@ -30,7 +30,7 @@ class AdamSAState(NamedTuple):
 
     m: torch.Tensor
     u: torch.Tensor
-    count: int
+    k: int
 
 
 class AdamGAState(NamedTuple):
@@ -38,7 +38,7 @@ class AdamGAState(NamedTuple):
 
     m: torch.Tensor
     u: torch.Tensor
-    count: int
+    k: int
     gap: GapAwareState
 
 

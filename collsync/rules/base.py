@@ -124,7 +124,7 @@ def chain(*rules: Rule) -> Rule:
 
     update = composed(lambda r: r.update)
     # In place only if every rule can be: the first one's output is the next one's input, owned all along.
-    update_ = composed(lambda r: r.update_) if all(r.update_ is not None for r in rules) else None
+    update_ = composed(lambda r: r.update_ or r.update) if all(r.update_ is not None for r in rules) else None
 
     def view(params: Flat, state: tuple[State, ...]) -> Flat:
         for rule, s in zip(rules, state, strict=True):

@@ -35,7 +35,7 @@ class GapAwareState(NamedTuple):
 
     v: torch.Tensor
     m: torch.Tensor
-    count: int
+    k: int
     gap: float = 1.0  # mean Gap G of the last gradient penalised: a diagnostic for 001_... Fig. 4, not state
 
 
@@ -118,7 +118,7 @@ def gap_rule(
                 "only when an update holds one gradient (sync=async, quorum 1)"
             )
         g = decayed(grad, params, weight_decay)
-        count = state.count + 1
+        count = state.k + 1
         v = state.v * momentum + g
         correction = 1 - beta**count
         diff = params - ctx.read

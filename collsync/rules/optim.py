@@ -155,11 +155,11 @@ def rmsprop(
 
 
 class AdamState(NamedTuple):
-    """First and second moments and the number of updates taken."""
+    """First and second moments and the number of updates taken (the k of the bias corrections 1 - beta^k)."""
 
     m: torch.Tensor
     u: torch.Tensor
-    count: int
+    k: int
 
 
 def adam(
@@ -215,7 +215,7 @@ def adam_first_moment(
     def update(grad: Flat, state: State, params: Flat, ctx: Context) -> tuple[Flat, State]:
         grad = decayed(grad, params, weight_decay)
         penalised, pen_state = penalty.update(grad, unwrap(state), params, ctx)
-        count = state.count + 1
+        count = state.k + 1
         m = state.m * beta1 + (1 - beta1) * penalised
         u = state.u * beta2 + (1 - beta2) * grad * grad
         m_hat = m / (1 - beta1**count)

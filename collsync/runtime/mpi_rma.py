@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ class WindowMailbox(Windows):
         self._wins = (self.win_params, self.win_slots, self.win_ctrl)
         if host:
             for win in self._wins:
-                mem = np.frombuffer(win.tomemory(), dtype=np.uint8)
+                mem = np.frombuffer(cast(Any, win.tomemory()), dtype=np.uint8)  # mpi4py types its buffer loosely
                 mem[:] = 0
         comm.Barrier()  # the zeroed memory is in place before anyone reads it
         for win in self._wins:

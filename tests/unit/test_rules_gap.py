@@ -33,7 +33,7 @@ def test_parameter_wise_gap_with_alg_14_coefficient():
     out, state = rule.update(t(2.0, -4.0), state, theta, ctx(theta.clone(), staleness=0))
     assert torch.equal(out, t(2.0, -4.0))
     torch.testing.assert_close(state.m, t(2.0, 8.0))
-    assert state.count == 1
+    assert state.k == 1
 
     # Arrival 2: theta = [1, 1] but the worker read [0, 3]: |gap| = [1, 2].
     # v = 0.5 [2, -4] + [1, 2] = [2, 0]; m = 0.5 [2, 8] + 0.5 [4, 0] = [3, 4]; m_hat = m / (1 - 0.25) = [4, 16/3];
