@@ -75,6 +75,7 @@ from collsync.torch.ops import (
 )
 from collsync.torch.optimizer import DistributedOptimizer
 from collsync.torch.partial import partial_allreduce
+from collsync.torch.sampler import DistributedSampler
 from collsync.torch.speculative import speculative
 from collsync.torch.sync_batch_norm import SyncBatchNorm
 
@@ -101,6 +102,7 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "DistributedSampler",
     "Max",
     "Min",
     "Product",
