@@ -64,7 +64,10 @@ def main() -> None:
         hvd.init()
     torch.manual_seed(args.seed)
     train, test, features = load(args.mnist, args.seed)
-    sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed, drop_last=True)
+    if COLLSYNC:  # torch's sampler, or in the stream modes the epoch's batches shared by the workers' speed
+        sampler = hvd.DistributedSampler(train, seed=args.seed, drop_last=True, batch_size=args.batch_size)
+    else:
+        sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed, drop_last=True)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = nn.Sequential(nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, 10))
     # The step grows with the workers where their gradients are averaged in lockstep (bsp, backup, psp); SSP averages
