@@ -190,14 +190,38 @@ def _check_world() -> None:
         sys.exit(2)
 
 
+def _startup_deadline(argv: list[str]) -> float | None:
+    """The deadline of the start-up exchange, before Hydra composed the config: `sync.deadline=` as given on the
+    command line (null: none), else the policies' default."""
+    from collsync.policy import DEADLINE
+
+    given = [a.split("=", 1)[1] for a in argv if a.startswith(("sync.deadline=", "++sync.deadline="))]
+    if not given:
+        return DEADLINE
+    try:
+        return None if given[-1] in ("null", "None") else float(given[-1])
+    except ValueError:
+        return DEADLINE  # Hydra's composition names the bad value in its own words, once every rank is in
+
+
 def _shared_run_dir() -> None:
-    """Under MPI, every rank must write into one run folder: rank 0 picks the time, the others take it."""
-    if not launched_under_mpi() or any(a.startswith(("hydra.run.dir=", "-m", "--multirun")) for a in sys.argv):
+    """Under MPI, every rank must write into one run folder: rank 0 picks the time, the others take it. First, the
+    start-up exchange (`mpi_world.hello`, bounded by the deadline): a rank that never arrives is named in one
+    line and the job ends, rather than wait in this broadcast for ever."""
+    if not launched_under_mpi():
         return
     import time
 
     from mpi4py import MPI
 
+    from collsync.runtime.mpi_world import RankLost, hello
+
+    try:
+        hello(MPI.COMM_WORLD, _startup_deadline(sys.argv[1:]))
+    except RankLost as exc:
+        _fail(str(exc))
+    if any(a.startswith(("hydra.run.dir=", "-m", "--multirun")) for a in sys.argv):
+        return
     stamp = MPI.COMM_WORLD.bcast(time.strftime("%Y-%m-%d/%H-%M-%S") if MPI.COMM_WORLD.Get_rank() == 0 else None)
     sys.argv.append(f"hydra.run.dir=outputs/{stamp}")
 

@@ -18,7 +18,7 @@ import torch
 
 from collsync.flat import ParamBuffer
 from collsync.runtime.mpi_coll import shutdown, threads_supported, wait
-from collsync.runtime.mpi_world import own_cores
+from collsync.runtime.mpi_world import RankLost, gate, lost, own_cores
 from collsync.types import Flat
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20
@@ -236,6 +236,8 @@ class BucketReducer:
         self._state = _IDLE
         if thread is None:
             thread = self.size > 1 and threads_supported()
+        if thread and deadline is not None:
+            gate(comm, deadline, f"{what}'s set-up")  # the thread's Dup waits for every rank, unbounded
         self._thread = CommThread(comm) if thread else None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(buffer.params)]
 
@@ -309,6 +311,15 @@ class BucketReducer:
         self._next = bucket + 1
 
     def _finish(self) -> None:
+        try:
+            self._reduce()
+        except RankLost:
+            raise
+        except TimeoutError as exc:
+            # A collective cannot say whom it waits for: the roll call names the ranks that are not waiting too.
+            raise lost(self.comm, str(exc), self.deadline) from None
+
+    def _reduce(self) -> None:
         while self._next < len(self.buckets):
             for index in self.buckets[self._next]:
                 if self._counts[index] < self.passes:
@@ -373,9 +384,9 @@ class BucketReducer:
             self._thread = None
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Unregister the hooks, then `mpi_coll.shutdown(comm, timeout)`."""
+        """Unregister the hooks, then `mpi_coll.shutdown(comm, timeout)` (by default within the deadline)."""
         self.remove()
-        shutdown(self.comm, timeout)
+        shutdown(self.comm, self.deadline if timeout is None else timeout)
 
 
 def _call(then: Callable[[], object] | None) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from collsync.runtime.mpi_rma import Backoff
-from collsync.runtime.mpi_world import rank_prefix
+from collsync.runtime.mpi_world import RankLost, lost
 from collsync.types import Flat
 
 
@@ -82,8 +82,11 @@ class MpiCollective:
         buf = flat.detach().contiguous()
         if self.deadline is None:
             self.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
-        else:
+            return buf.div_(self.size)
+        try:
             wait(self.comm.Iallreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM), self.deadline, "an allreduce")
+        except TimeoutError as exc:
+            raise lost(self.comm, str(exc), self.deadline) from None  # the roll call names the missing ranks
         return buf.div_(self.size)
 
     def broadcast(self, flat: Flat, root: int = 0) -> Flat:
@@ -106,11 +109,11 @@ class MpiCollective:
         self.comm.Barrier()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """See `shutdown` below."""
-        shutdown(self.comm, timeout)
+        """See `shutdown` below; `timeout` defaults to the deadline (the end never waits for ever on a lost rank)."""
+        shutdown(self.comm, self.deadline if timeout is None else timeout)
 
 
-class ShutdownTimeout(TimeoutError):
+class ShutdownTimeout(RankLost):
     """`shutdown` gave up waiting; `request` is its barrier, still posted (the late ranks will complete it)."""
 
     def __init__(self, message: str, request: Any) -> None:
@@ -123,7 +126,7 @@ def shutdown(comm: Any, timeout: float | None = None, while_waiting: Callable[[]
 
     A rank that finishes early (the others still training, or rank 0 still writing the run folder) sleeps instead
     of spinning inside a blocking barrier on a core a slower rank may need. With `timeout` seconds, raise an error
-    naming this rank if the others have not all arrived by then (a rank stuck or gone): `ShutdownTimeout`, whose
+    naming the ranks that did not arrive by then (the roll call: a rank stuck or gone): `ShutdownTimeout`, whose
     `request` is the barrier, still posted; wait on it, or abort the world (collsync's entry point does).
     `while_waiting()` is called between two tests (a server still answering requests while the others finish).
     """
@@ -132,11 +135,8 @@ def shutdown(comm: Any, timeout: float | None = None, while_waiting: Callable[[]
     end = None if timeout is None else time.monotonic() + timeout
     while not request.Test():
         if end is not None and time.monotonic() > end:
-            raise ShutdownTimeout(
-                f"{rank_prefix(comm)}: shutdown: not every rank reached shutdown within {timeout}s "
-                "(one is still working, stuck or gone)",
-                request,
-            )
+            said = lost(comm, f"shutdown: not every rank reached shutdown within {timeout:g}s", timeout)
+            raise ShutdownTimeout(str(said), request)
         if while_waiting is not None:
             while_waiting()
         backoff.wait()

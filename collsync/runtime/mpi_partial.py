@@ -105,6 +105,7 @@ from collsync.runtime.mpi_partial_windows import (
     writing_tag,
 )
 from collsync.runtime.mpi_rma import Backoff
+from collsync.runtime.mpi_world import RankLost
 from collsync.types import Flat
 
 __all__ = ["PartialAllreduce", "PartialResult"]
@@ -226,7 +227,7 @@ class PartialAllreduce(PartialWindows):
             # writing into `mean`: both must outlive this object.
             _STRANDED.append((request, mean))
             self._stranded = round_
-            raise TimeoutError(self._roll_call(round_)) from None
+            raise RankLost(self._roll_call(round_)) from None
         return self._full_done(mean, round_)
 
     def _full_done(self, mean: Flat, round_: int) -> PartialResult:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from collsync.runtime.mpi_rma import Backoff, Windows, poll_cap
-from collsync.runtime.mpi_world import rank_prefix
+from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
 from collsync.types import Flat
 
 T = TypeVar("T")
@@ -99,6 +99,10 @@ class PartialWindows(Windows):
 
         size, rank = comm.Get_size(), comm.Get_rank()
         _check_args(numel, dtype, depth, host, size, timeout)
+        if timeout is not None:
+            # Window creation and Dup wait for every rank and cannot be bounded themselves: once every rank has
+            # passed this gate they complete; a rank that never comes is named within `timeout`.
+            gate(comm, timeout, "partial allreduce: the window set-up")
         self.MPI, self.comm = MPI, comm
         self.numel, self.dtype, self.depth, self.host, self.timeout = numel, dtype, depth, host, timeout
         self.size, self.rank = size, rank
@@ -203,7 +207,10 @@ class PartialWindows(Windows):
             )
 
     def free(self) -> None:
-        """Collective: close the epochs, free the windows and the full-quorum communicator."""
+        """Collective: close the epochs, free the windows and the full-quorum communicator. With a `timeout`, a
+        rank that never comes to it is named (`gate`) instead of held for in the windows' barrier."""
+        if self.timeout is not None and self._wins:
+            gate(self.comm, self.timeout, "partial allreduce: freeing the windows")
         super().free()
         if self._full_comm != self.MPI.COMM_NULL:  # freed already (mpi4py sets the handle to COMM_NULL)
             self._full_comm.Free()
@@ -225,7 +232,8 @@ class PartialWindows(Windows):
             if got is not None:
                 return got
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{self._who}: partial allreduce: {describe()} after timeout={self.timeout}s")
+                # RankLost (a TimeoutError): uncaught in a collsync.torch script, one line and the job ends.
+                raise RankLost(f"{self._who}: partial allreduce: {describe()} after timeout={self.timeout}s")
             backoff.wait()
 
     def _gate(self, round_: int) -> None:
@@ -242,7 +250,7 @@ class PartialWindows(Windows):
 
         def describe() -> str:
             late = lagging(read.tolist(), round_, self.depth)
-            behind = ", ".join(f"rank {r} has read up to round {int(read[r]) - 1}" for r in late)
+            behind = ", ".join(f"rank {r} on {self._hosts[r]} has read up to round {int(read[r]) - 1}" for r in late)
             return (
                 f"round {round_} waits for ranks {late} to read round {round_ - self.depth} ({behind}; {self.depth=})"
             )

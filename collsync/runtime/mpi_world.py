@@ -11,9 +11,22 @@ import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from collsync.checkpoint import stop_now
 from collsync.runtime.spec import SIZE_VARS, launched_under_mpi
 
-__all__ = ["launcher_size", "launched_under_mpi", "rank_prefix", "abort", "abort_on_error", "world", "set_threads"]
+__all__ = [
+    "launcher_size",
+    "launched_under_mpi",
+    "rank_prefix",
+    "abort",
+    "abort_on_error",
+    "world",
+    "set_threads",
+    "RankLost",
+    "hello",
+    "gate",
+    "lost",
+]
 
 
 def launcher_size(env: Mapping[str, str] | None = None) -> int | None:
@@ -49,6 +62,141 @@ def rank_prefix(comm: Any) -> str:
     return f"rank {comm.Get_rank()} of {comm.Get_size()} on {socket.gethostname()}"
 
 
+class RankLost(TimeoutError):
+    """A rank did not arrive within the run's deadline (stopped, hung, dead, cut off); the message is one line
+    naming it by rank and host. A `TimeoutError`, so what handles a deadline handles this too; uncaught in a
+    `collsync.torch` script it is shown as that one line and the job is aborted (`collsync.torch.init`)."""
+
+
+# Tags of the roll call below, on the communicator whose collective timed out: point-to-point messages never match
+# collectives (MPI keeps them apart), and these tags are above anything collsync sends.
+_ROLL, _VERDICT = 32001, 32002
+# How long rank 0 collects the others' answers after its own wait timed out (and they wait for its verdict): the
+# live ranks time out at about the same time, each `deadline` after it arrived; capped as the run folder's grace.
+ROLL_WINDOW_S = 30.0
+# Each rank's host name by COMM_WORLD rank, from `hello` (so a later timeout names a lost rank's host).
+_HOSTS: dict[int, str] = {}
+
+
+def host_of(comm: Any, rank: int) -> str:
+    """The host of `comm`'s rank `rank` as `hello` heard it ('?' before `hello`, or for a rank that never said)."""
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    world_rank = MPI.Group.Translate_ranks(comm.Get_group(), [rank], MPI.COMM_WORLD.Get_group())[0]
+    return _HOSTS.get(world_rank, "?")
+
+
+def _test_until(requests: list[Any], end: float) -> None:
+    """Test `requests` with short sleeps until all completed or `end` (monotonic) passed."""
+    while not all(r.Test() for r in requests) and time.monotonic() < end:
+        time.sleep(0.005)
+
+
+def roll_call(comm: Any, window: float) -> list[int]:
+    """After a bounded wait on `comm` timed out here: the ranks that are not waiting too. Each rank tells rank 0
+    that it is alive (a point-to-point message, which no stopped rank can block); rank 0 collects for `window`
+    seconds and answers each with the ranks that never told it; a rank that gets no answer names rank 0."""
+    import numpy as np
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    heard = np.zeros(size, dtype=np.int64)
+    if rank != 0:
+        comm.Isend([np.ones(1, dtype=np.int64), MPI.INT64_T], dest=0, tag=_ROLL)
+        request = comm.Irecv([heard, MPI.INT64_T], source=0, tag=_VERDICT)
+        _test_until([request], time.monotonic() + window)
+        if not request.Test():
+            request.Cancel()
+            return [0]
+        return [r for r in range(size) if not heard[r]]
+    heard[0] = 1
+    boxes = [np.zeros(1, dtype=np.int64) for _ in range(size)]
+    requests = [comm.Irecv([boxes[r], MPI.INT64_T], source=r, tag=_ROLL) for r in range(1, size)]
+    end = time.monotonic() + window
+    while time.monotonic() < end and not all(heard):
+        for r, request in enumerate(requests, start=1):
+            if not heard[r] and request.Test():
+                heard[r] = 1
+        time.sleep(0.005)
+    for r, request in enumerate(requests, start=1):
+        if not heard[r]:
+            request.Cancel()
+    sends = [comm.Isend([heard, MPI.INT64_T], dest=r, tag=_VERDICT) for r in range(1, size) if heard[r]]
+    _test_until(sends, time.monotonic() + 1.0)  # eager messages of n words: done at once, bounded anyway
+    return [r for r in range(size) if not heard[r]]
+
+
+def lost(comm: Any, message: str, deadline: float | None) -> RankLost:
+    """`message` (what timed out on this rank, within `deadline`) completed by the roll call's verdict: the ranks
+    that did not arrive, by rank and host of `comm`."""
+    window = ROLL_WINDOW_S if deadline is None else min(ROLL_WINDOW_S, max(1.0, deadline))
+    missing = roll_call(comm, window)
+    if not missing:
+        cause = "every rank is waiting inside it (MPI made no progress)"
+    else:
+        named = ", ".join(f"rank {r} on {host_of(comm, r)}" for r in missing)
+        cause = f"{named} did not arrive (stopped, hung or dead)"
+    prefix = f"{rank_prefix(comm)}: "
+    message = message.removeprefix(prefix).removesuffix(": a rank stopped, hangs or died")  # said better below
+    return RankLost(f"{prefix}{message}: {cause}")
+
+
+def _poll(request: Any, end: float | None) -> bool:
+    """Test `request` with growing sleeps until it completes (True) or `end` (monotonic) passes (False). A signal
+    that asked the run to stop (`collsync.checkpoint`) ends the process here: nothing is trained yet to save."""
+    pause = 1e-4
+    while not request.Test():
+        stop_now("during start-up")
+        if end is not None and time.monotonic() >= end:
+            return False
+        time.sleep(pause)
+        pause = min(0.01, pause * 2)
+    return True
+
+
+def gate(comm: Any, deadline: float | None, what: str) -> None:
+    """Return once every rank of `comm` reached this point (an `Ibarrier`), or raise `RankLost` naming those that
+    did not within `deadline` seconds (None: wait for ever). Placed before a collective set-up that cannot be
+    bounded itself (`Split_type`, `Dup`, window creation): once every rank is here, it completes."""
+    if not _poll(comm.Ibarrier(), None if deadline is None else time.monotonic() + deadline):
+        raise lost(comm, f"{what} did not complete within deadline={deadline:g}s", deadline)
+
+
+def hello(comm: Any, deadline: float | None) -> list[str]:
+    """The start-up exchange (collective over COMM_WORLD's ranks in `comm`): each rank's host name, kept for the
+    messages that name a lost rank later; bounded by `deadline` (`RankLost`: which ranks did not arrive)."""
+    import numpy as np
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    own = np.zeros(256, dtype=np.uint8)
+    name = socket.gethostname().encode()[:255]
+    own[: len(name)] = np.frombuffer(name, dtype=np.uint8)
+    names = np.zeros((comm.Get_size(), 256), dtype=np.uint8)
+    request = comm.Iallgather([own, MPI.BYTE], [names, MPI.BYTE])
+    if not _poll(request, None if deadline is None else time.monotonic() + deadline):
+        missing = roll_call(comm, ROLL_WINDOW_S if deadline is None else min(ROLL_WINDOW_S, max(1.0, deadline)))
+        arrived = [r for r in range(comm.Get_size()) if r not in missing]
+        raise RankLost(
+            f"{rank_prefix(comm)}: start-up: rank(s) {', '.join(map(str, missing))} of {comm.Get_size()} did not "
+            f"arrive within deadline={deadline:g}s (stopped, hung or dead; arrived: ranks {_ranges(arrived)})"
+        )
+    hosts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in names]
+    ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(len(hosts))), MPI.COMM_WORLD.Get_group())
+    _HOSTS.update(zip(ranks, hosts, strict=True))
+    return hosts
+
+
+def _ranges(ranks: list[int]) -> str:
+    """'0-2, 5': ranks as runs of consecutive numbers."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
 def node_size(comm: Any) -> int:
     """How many ranks of `comm` share this rank's node (collective)."""
     return node_layout(comm)[0]
@@ -59,12 +207,16 @@ def affinity() -> set[int]:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
-def node_layout(comm: Any) -> tuple[int, int]:
+def node_layout(comm: Any, deadline: float | None = None) -> tuple[int, int]:
     """(ranks of `comm` on this node, cores those ranks may run on together) (collective). The cores are the union
     of the ranks' affinity masks: under `srun --cpu-bind=cores` each rank's own mask is one core, which says
-    nothing about whether the node's ranks share cores; unbound ranks each see the whole node."""
+    nothing about whether the node's ranks share cores; unbound ranks each see the whole node. With `deadline`,
+    a rank that does not arrive within it is named (`gate`) rather than waited for: `Split_type` has no
+    nonblocking form."""
     from mpi4py import MPI
 
+    if deadline is not None:
+        gate(comm, deadline, "start-up (the node layout)")
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     masks = local.allgather(sorted(affinity()))
     local.Free()

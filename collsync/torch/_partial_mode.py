@@ -80,7 +80,7 @@ class PartialMode(Mode):
         )
 
     def close(self) -> None:
-        shutdown(self.st.comm)
+        shutdown(self.st.comm, self.st.deadline)  # a lost rank: RankLost naming it, not a hang
         if self.reducer is not None:
             self.reducer.remove()
         elif self.pa is not None:

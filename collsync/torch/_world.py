@@ -12,10 +12,23 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
-from collsync.runtime.mpi_world import check_world_size, launcher_size, node_layout, set_threads
+from collsync.policy import DEADLINE
+from collsync.runtime.mpi_coll import shutdown as leave_together
+from collsync.runtime.mpi_world import (
+    RankLost,
+    abort,
+    check_world_size,
+    hello,
+    launcher_size,
+    node_layout,
+    set_threads,
+)
 from collsync.torch.config import SyncConfig, sync_config
 
 _SERVERS_ENV = "COLLSYNC_SERVERS"
@@ -40,6 +53,7 @@ class World:
     oversubscribed: bool = False
     role: str = "worker"
     serve: bool = True  # server ranks serve inside init() (False: the caller drives them, as collsync-train does)
+    deadline: float | None = DEADLINE  # how long start-up and shutdown wait for a rank before naming it lost
 
 
 _STATE: World | None = None
@@ -60,6 +74,7 @@ def init(
     servers: int | None = None,
     backend: str | None = None,
     serve: bool = True,
+    deadline: float | None = None,
 ) -> None:
     """Initialise collsync (Horovod's `hvd.init()`), reserving parameter-server ranks when the sync mode needs them.
 
@@ -73,9 +88,12 @@ def init(
         backend: "mpi" (default) or "horovod": what reduces gradients under full sync (bsp without servers).
         serve: False for a caller that runs the server ranks itself (`collsync-train`): they return from
             `init()` with `role() == "server"`, and `rank()` / `size()` count the servers there.
+        deadline: seconds start-up and shutdown wait for every rank (default: the deadline of `sync`, else
+            600; None: for ever). A rank that does not arrive in time is named in one line and the job ends.
 
     Raises:
         ValueError: bad values (the world too small for the servers, an unknown backend).
+        RankLost: a rank did not arrive within `deadline` (uncaught: one line, and the job is aborted).
         NotImplementedError: process sets.
     """
     global _STATE
@@ -91,7 +109,11 @@ def init(
     backend = backend or (config.backend if config is not None else None) or "mpi"
     if backend not in ("mpi", "horovod"):
         raise ValueError(f"collsync.torch.init: backend={backend!r} must be 'mpi' or 'horovod'")
-    node, cores = node_layout(world)  # collective over the whole world: servers included
+    if deadline is None:
+        deadline = config.policy.deadline if config is not None else DEADLINE
+    _install_excepthook()
+    hello(world, deadline)  # bounded: a rank that never arrives is named, not waited for (its host is kept)
+    node, cores = node_layout(world, deadline)  # collective over the whole world: servers included
     set_threads(world, node)
     oversubscribed = node > cores
     rank = world.Get_rank()
@@ -102,12 +124,24 @@ def init(
         # Lazily: the server side (the shard run, and the Hydra it builds rules with) loads on server ranks only.
         from collsync.torch._serve import serve_forever
 
-        _STATE = World(world, comm_w, servers, None, None, config, backend, oversubscribed=oversubscribed)
+        _STATE = World(
+            world, comm_w, servers, None, None, config, backend, oversubscribed=oversubscribed, deadline=deadline
+        )
         serve_forever(_STATE)  # never returns: the process exits once the workers left
     local = comm_w.Split_type(MPI.COMM_TYPE_SHARED, key=comm_w.Get_rank())
     cross = comm_w.Split(local.Get_rank(), comm_w.Get_rank())
     _STATE = World(
-        world, comm_w, servers, local, cross, config, backend, oversubscribed=oversubscribed, role=role, serve=serve
+        world,
+        comm_w,
+        servers,
+        local,
+        cross,
+        config,
+        backend,
+        oversubscribed=oversubscribed,
+        role=role,
+        serve=serve,
+        deadline=deadline,
     )
     if backend == "horovod" and role == "worker":
         from collsync.runtime.horovod import init as horovod_init  # lazily: Horovod is optional
@@ -155,14 +189,57 @@ def shutdown() -> None:
     st = _STATE
     if st is None:
         return
-    for close in reversed(st.cleanups):
-        close()
+    try:
+        for close in reversed(st.cleanups):
+            close()
+        if not st.servers:
+            # Serverless workers leave together, within the deadline: MPI_Finalize at exit would otherwise wait
+            # for a lost rank for ever. (Server modes' workers leave at their own times; their servers see them go.)
+            leave_together(st.comm, st.deadline)
+    except RankLost as exc:
+        # A rank lost at the end: the world cannot be left in order (MPI_Finalize would wait for it too).
+        fatal(exc)
     st.cleanups.clear()
     if st.servers and st.serve and st.role == "worker":
         from collsync.torch._serve import release_servers  # lazily, as in `init`: the server side's module
 
         release_servers(st)
     _STATE = None
+
+
+# How long a rank other than 0 waits before it reports a lost rank itself: rank 0 reports the same loss and aborts
+# the job meanwhile, so the line appears once (as collsync-train's errors do).
+_REPORT_GRACE_S = 3.0
+
+
+def fatal(exc: BaseException) -> None:
+    """Report a lost rank in one line and end the job: `MPI_Abort`, not `os._exit`. Abort has the launcher end
+    every rank, the stopped or hung one included; a rank that only exits leaves it, and under `srun` (which keeps
+    a step's other tasks running by default) the job would wait for it until its time limit. Exit status 2."""
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        time.sleep(_REPORT_GRACE_S)
+    print(f"collsync: {exc}", file=sys.stderr, flush=True)
+    abort(MPI.COMM_WORLD, 2)
+
+
+_PREVIOUS_HOOK = sys.excepthook
+
+
+def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    """An uncaught `RankLost` in a script: one line and the job ends (`fatal`), no traceback through the user's
+    loop; anything else as Python shows it."""
+    if isinstance(exc, RankLost):
+        fatal(exc)
+    _PREVIOUS_HOOK(kind, exc, tb)
+
+
+def _install_excepthook() -> None:
+    global _PREVIOUS_HOOK
+    if sys.excepthook is not _excepthook:
+        _PREVIOUS_HOOK = sys.excepthook
+        sys.excepthook = _excepthook
 
 
 def is_initialized() -> bool:

@@ -39,7 +39,7 @@ def partial_allreduce(tensor: torch.Tensor, quorum: int, *, timeout: float | Non
         _OPEN[key] = [pa, 0]
 
         def close(key: tuple[int, torch.dtype] = key) -> None:
-            shutdown(st.comm)
+            shutdown(st.comm, st.deadline)  # a lost rank: RankLost naming it, not a hang
             _OPEN.pop(key)[0].free()
 
         st.cleanups.append(close)
