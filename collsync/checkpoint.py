@@ -16,13 +16,15 @@ loading a checkpoint never runs code from the file. Its keys:
 
 Signals: SIGTERM, SIGINT and SIGUSR1 (what Slurm sends before a time limit with `--signal`) only raise a flag
 (`requested()`); the training loops look at it between two updates, write a checkpoint and the run folder, and
-end with `Preempted` (exit status 128 + the signal's number). A second SIGINT interrupts at once.
+end with `Preempted` (exit status 128 + the signal's number). Start-up waits look at it too (`stop_now`: nothing
+to save yet, so the process ends at once with that status), and a second signal ends the process at once.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -226,9 +228,22 @@ def requested() -> int | None:
 
 def _handler(signum: int, frame: Any) -> None:
     global _requested
-    if _requested == signal.SIGINT and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+    if _requested is not None:
+        _exit(signum, "again")  # a second signal: stop now, without a checkpoint
     _requested = signum
+
+
+def _exit(signum: int, when: str) -> None:
+    """End this process at once with 128 + `signum`, after one line (MPI's launcher then ends the other ranks)."""
+    print(f"collsync: stopped by {signal.Signals(signum).name} {when}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+def stop_now(when: str) -> None:
+    """Where nothing is trained yet (start-up waits): a signal that asked the run to stop ends the process at once
+    (exit 128 + its number) rather than wait for a training loop to look at the flag."""
+    if _requested is not None:
+        _exit(_requested, when)
 
 
 def install() -> None:

@@ -59,7 +59,7 @@ def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any] | N
         )
     if cst.is_initialized() and state().servers != servers:
         cst.shutdown()  # a sweep run in one process whose runs differ in runtime.servers
-    cst.init(servers=servers, serve=False)
+    cst.init(servers=servers, serve=False, deadline=parts.policy.deadline)  # start-up bounded by the deadline
     comm = state().world
     workers = comm.Get_size() - servers - scheduler
     check_fit(parts, workers)

@@ -73,7 +73,8 @@ def partial_step(launch: Launch) -> Step:
         run_partial(server, pa, grads, on_update=on_update)
 
     # `free` is collective; no `finally`: after a failure cli._fail aborts the world.
-    return Step(grads, train, pa.free, lambda: shutdown(launch.comm), evaluates_first=True)
+    deadline = parts.policy.deadline  # the end never waits for ever on a lost rank
+    return Step(grads, train, pa.free, lambda: shutdown(launch.comm, deadline), evaluates_first=True)
 
 
 def run_replicas(launch: Launch, step_for: Callable[[Launch], Step]) -> dict[str, Any] | None:

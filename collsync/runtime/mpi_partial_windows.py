@@ -210,7 +210,7 @@ class PartialWindows(Windows):
         """Collective: close the epochs, free the windows and the full-quorum communicator. With a `timeout`, a
         rank that never comes to it is named (`gate`) instead of held for in the windows' barrier."""
         if self.timeout is not None and self._wins:
-            gate(self.comm, self.timeout, "partial allreduce: freeing the windows")
+            gate(self.comm, self.timeout, "partial allreduce: freeing the windows", startup=False)
         super().free()
         if self._full_comm != self.MPI.COMM_NULL:  # freed already (mpi4py sets the handle to COMM_NULL)
             self._full_comm.Free()

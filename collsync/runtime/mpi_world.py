@@ -141,12 +141,14 @@ def lost(comm: Any, message: str, deadline: float | None) -> RankLost:
     return RankLost(f"{prefix}{message}: {cause}")
 
 
-def _poll(request: Any, end: float | None) -> bool:
-    """Test `request` with growing sleeps until it completes (True) or `end` (monotonic) passes (False). A signal
-    that asked the run to stop (`collsync.checkpoint`) ends the process here: nothing is trained yet to save."""
+def _poll(request: Any, end: float | None, startup: bool = True) -> bool:
+    """Test `request` with growing sleeps until it completes (True) or `end` (monotonic) passes (False). At
+    `startup`, a signal that asked the run to stop (`collsync.checkpoint`) ends the process here: nothing is
+    trained yet to save, and no training loop will look at the request before every rank is in."""
     pause = 1e-4
     while not request.Test():
-        stop_now("during start-up")
+        if startup:
+            stop_now("during start-up")
         if end is not None and time.monotonic() >= end:
             return False
         time.sleep(pause)
@@ -154,11 +156,12 @@ def _poll(request: Any, end: float | None) -> bool:
     return True
 
 
-def gate(comm: Any, deadline: float | None, what: str) -> None:
+def gate(comm: Any, deadline: float | None, what: str, startup: bool = True) -> None:
     """Return once every rank of `comm` reached this point (an `Ibarrier`), or raise `RankLost` naming those that
     did not within `deadline` seconds (None: wait for ever). Placed before a collective set-up that cannot be
-    bounded itself (`Split_type`, `Dup`, window creation): once every rank is here, it completes."""
-    if not _poll(comm.Ibarrier(), None if deadline is None else time.monotonic() + deadline):
+    bounded itself (`Split_type`, `Dup`, window creation): once every rank is here, it completes. `startup`: a
+    stop signal ends the process at once here (False after training, whose run folder is still to be written)."""
+    if not _poll(comm.Ibarrier(), None if deadline is None else time.monotonic() + deadline, startup):
         raise lost(comm, f"{what} did not complete within deadline={deadline:g}s", deadline)
 
 
