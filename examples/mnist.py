@@ -48,9 +48,7 @@ def main() -> None:
     parser.add_argument("--backups", type=int, default=1, help="backup workers dropped per round (--sync backup)")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument(
-        "--lr", type=float, default=0.02, help="per worker; scaled by size() where gradients are averaged"
-    )
+    parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() as under Horovod")
     parser.add_argument("--momentum", type=float, default=None, help="default 0.9 (0.7 under ssp)")
     parser.add_argument("--mnist", default=None, help="a folder with MNIST IDX files (default: bundled digits)")
     parser.add_argument("--seed", type=int, default=0)
@@ -70,12 +68,11 @@ def main() -> None:
         sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed, drop_last=True)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = nn.Sequential(nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, 10))
-    # The step grows with the workers where their gradients are averaged in lockstep (bsp, backup, psp); SSP averages
-    # gradients up to max_lead rounds stale, where sqrt(size) stays stable; async applies every gradient on its own.
-    n = hvd.size()
-    lr = args.lr * {"bsp": n, "backup": n, "psp": n, "ssp": n**0.5}.get(args.sync, 1)
-    # Staleness acts as momentum of its own (Mitliagkas et al., 2016, "Asynchrony begets momentum"): SSP, whose
-    # averaged steps are larger than async's, is stable with less explicit momentum.
+    # Horovod's scaling for a mean of size() gradients; in the server modes collsync rescales it to the gradients
+    # one update averages (collsync.torch.config.server_lr: async and psp train with it unchanged).
+    lr = args.lr * hvd.size()
+    # Staleness acts as momentum of its own (Mitliagkas et al., 2016, "Asynchrony begets momentum"): SSP's rounds,
+    # up to max_lead stale, are stable with less explicit momentum.
     momentum = args.momentum if args.momentum is not None else (0.7 if args.sync == "ssp" else 0.9)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

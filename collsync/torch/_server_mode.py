@@ -18,7 +18,7 @@ from collsync.loops import Worker, pull, push
 from collsync.runtime.mpi_shards import Shards
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._world import World
-from collsync.torch.config import SyncConfig, server_rule
+from collsync.torch.config import SyncConfig, server_lr, server_rule
 from collsync.torch.speculative import Speculating
 
 
@@ -39,7 +39,11 @@ class ServerMode(Mode):
         self.st = st
         workers = st.comm.Get_size()
         policy.check(workers)
-        rule = config.rule if config.rule is not None else server_rule(optimizer)
+        rule = config.rule
+        if rule is None:
+            rule = server_rule(optimizer)
+            # The script's lr was scaled for size() gradients a step (Horovod's convention): see `server_lr`.
+            rule = server_lr(rule, policy, workers) if config.scaled_lr else rule
         self.flat = one_dtype(params, policy.name)
         numel = self.flat.buf.numel()
         if numel < st.servers:

@@ -39,6 +39,10 @@ class SyncConfig:
     backend: str = "mpi"
     depth: int = 8
     rule: dict[str, Any] | None = None
+    scaled_lr: bool = True
+    # The options `sync_config` was given by name (None: built from a SyncPolicy or a composed config), so that
+    # options beside it (DistributedOptimizer after init(sync=...)) merge with them key by key.
+    given: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         speculation = self.policy.speculation
@@ -104,13 +108,18 @@ def build(node: dict[str, Any] | None) -> Any:
 
 def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     """A `SyncConfig` from a mode name and its options (`conf/sync/<name>.yaml` keys), a `SyncPolicy`, or a
-    `SyncConfig` (returned as is, options refused).
+    `SyncConfig` (with options: merged with the ones it was made with, see `merge`).
 
     Besides the mode's own keys: `penalty` (a name from conf/penalty/, or None) and `penalty_options` (its keys),
     `rule` (a name from conf/optimizer/, e.g. "dana" or "fasgd", for the server instead of the one made from the
     torch optimizer) and `rule_options` (its keys), `servers` (server ranks; default 1 for async, ssp, psp, bfasgd,
-    else 0), `backend` ("mpi" or "horovod"), `depth` (the partial allreduce's ring).
+    else 0), `backend` ("mpi" or "horovod"), `depth` (the partial allreduce's ring), `scaled_lr` (default True: the
+    torch optimizer's lr is Horovod's `lr * size()`, and a server mode rescales it, see `server_lr`; False: the
+    servers apply it as given).
     """
+    if isinstance(sync, SyncConfig):
+        return merge(sync, options) if options else sync
+    named = dict(options)  # before the pops: every option as the caller gave it
     penalty = options.pop("penalty", None)
     penalty_options = options.pop("penalty_options", None) or {}
     servers = options.pop("servers", None)
@@ -118,10 +127,9 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     depth = options.pop("depth", 8)
     rule = options.pop("rule", None)
     rule_options = options.pop("rule_options", None) or {}
-    if isinstance(sync, SyncConfig):
-        if options or penalty is not None or servers is not None:
-            raise ValueError(f"sync={sync.name}: options are set on the SyncConfig itself, not beside it")
-        return sync
+    scaled_lr = options.pop("scaled_lr", True)
+    if not isinstance(scaled_lr, bool):
+        raise ValueError(f"scaled_lr={scaled_lr!r} must be True or False")
     if isinstance(sync, SyncPolicy):
         if options:
             raise ValueError(f"sync={sync.name}: options {sorted(options)} beside a SyncPolicy (set them on it)")
@@ -155,7 +163,26 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
         rule_node = _node("optimizer", rule, dict(rule_options))
     elif rule_options:
         raise ValueError("rule_options are for a rule given by name (rule='dana', ...)")
-    return SyncConfig(policy, penalty_node, servers, backend, depth, rule_node)
+    named = named if isinstance(sync, str) else None
+    return SyncConfig(policy, penalty_node, servers, backend, depth, rule_node, scaled_lr, named)
+
+
+def merge(config: SyncConfig, options: dict[str, Any]) -> SyncConfig:
+    """`config` with more options: `DistributedOptimizer(..., penalty="gap_aware")` or `backups=2` after
+    `init(sync=...)` chose the mode. A key the config was made with keeps its value: the same value again is fine,
+    another is refused naming both."""
+    if config.given is None:
+        raise ValueError(
+            f"sync={config.name}: {', '.join(sorted(options))} beside a SyncConfig made from a SyncPolicy or a "
+            "composed config; set them where it is made"
+        )
+    for key, value in sorted(options.items()):
+        if key in config.given and config.given[key] != value:
+            raise ValueError(
+                f"sync={config.name}: {key}={value!r} conflicts with {key}={config.given[key]!r} of the mode "
+                "init(sync=...) chose"
+            )
+    return sync_config(config.name, **{**config.given, **options})
 
 
 def from_config(cfg: Any) -> SyncConfig:
@@ -229,6 +256,30 @@ def server_rule(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         f"DistributedOptimizer: the parameter server has no rule for torch.optim.{name}; it maps SGD (momentum, "
         "nesterov, weight_decay) and Adam, or takes a collsync rule by name: DistributedOptimizer(..., rule='dana')"
     )
+
+
+def server_lr(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> dict[str, Any]:
+    """The server's rule with the learning rate of a Horovod script rescaled to the gradients one update averages.
+
+    A Horovod script scales its lr by size() for synchronous averaging (Goyal et al.'s linear scaling rule): eta =
+    eta_1 x n for a mean of n gradients. The server's update averages g = `policy.quorum_for(n)` gradients (async,
+    bfasgd and SpecSync over ASP: g = 1; PSP: its c; SSP's rounds: n), read up to s = `max_lead` rounds stale
+    (0 but for SSP), so it applies
+
+        eta_server = eta_script x g / n / (1 + s),
+
+    the rule of Chen et al. (000_..., App. A: Async-Opt at gamma_0 = 0.045, Sync-Opt averaging N gradients at
+    0.045 N, "so that the learning rates after computing the same number of datapoints are comparable") and of PSP's
+    linear scaling by the number d of aggregated gradients (003_..., Alg. 1 line 13). One gradient at a time then
+    steps as one worker alone would, which is the step Gap-Aware and DANA take as given (001_..., §5-6: no re-tuning
+    of the single worker's hyperparameters). SSP's rounds take Staleness-Aware's step eta / tau (Zhang et al., 001_...
+    Alg. 3) at the bound tau = 1 + s: Horovod's lr x n with momentum 0.9 on rounds up to 3 stale diverges (digits,
+    4 workers: 0.38 accuracy after 10 epochs; 0.92 with the division). Momentum and the rest are unchanged.
+    """
+    factor = policy.quorum_for(workers) / workers / (1 + (policy.max_lead or 0))
+    if "lr" not in rule or factor == 1:
+        return rule
+    return {**rule, "lr": float(rule["lr"]) * factor}
 
 
 def server_penalty(penalty: dict[str, Any] | None, rule: dict[str, Any]) -> dict[str, Any] | None:

@@ -135,6 +135,29 @@ def test_example_trains_digits_in_every_mode(sync):
     assert f"({workers} workers, sync={sync})" in proc.stdout
 
 
+@pytest.fixture(scope="module")
+def horovod_style() -> Callable[[str], float]:
+    """The example as a Horovod script plus `init(sync=...)`: lr x size() and momentum 0.9 in every mode (the
+    servers rescale the lr, config.server_lr); each mode's final test accuracy, run once."""
+    runs: dict[str, float] = {}
+
+    def run(sync: str) -> float:
+        if sync not in runs:
+            proc = mpirun(4, "examples/mnist.py", "--sync", sync, "--momentum", "0.9", "--epochs", "8")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[sync] = accuracy(proc.stdout)
+        return runs[sync]
+
+    return run
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("sync", ["async", "psp", "backup"])
+def test_horovod_script_with_one_keyword_trains_as_bsp(horovod_style, sync):
+    """Issue 24: Horovod's lr x size() left in, async (one gradient an update) and psp end within a point of bsp."""
+    assert horovod_style(sync) >= horovod_style("bsp") - 0.01, (sync, horovod_style(sync), horovod_style("bsp"))
+
+
 def test_example_runs_on_horovod_by_its_import_line(tmp_path):
     have_horovod()
     source = (ROOT / "examples" / "mnist.py").read_text()
