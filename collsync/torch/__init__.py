@@ -88,6 +88,33 @@ def _unsupported(name: str) -> object:
     return call
 
 
+class _Refused:
+    """A Horovod namespace or class collsync does not have: any use (an attribute, a call) is refused in one line
+    naming what to use instead, not an AttributeError."""
+
+    def __init__(self, name: str, instead: str) -> None:
+        self._name = name
+        self._instead = instead
+
+    def _refuse(self, what: str) -> NotImplementedError:
+        instead = self._instead
+        return NotImplementedError(f"collsync.torch.{what}: not supported by collsync (Horovod has it); {instead}")
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith("_"):  # probes of tools (copy, pickle, inspect, pytest) get the usual answer
+            raise AttributeError(attr)
+        raise self._refuse(f"{self._name}.{attr}")
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise self._refuse(self._name)
+
+
+elastic = _Refused(
+    "elastic",
+    "relaunch and resume from checkpoints instead (the model's, and in server modes "
+    "DistributedOptimizer.server_state_dict(), passed back as DistributedOptimizer(..., server_state=...))",
+)
+ProcessSet = _Refused("ProcessSet", "run a script on some ranks with init(comm=[ranks]) or init(comm=communicator)")
 alltoall = _unsupported("alltoall")
 reducescatter = _unsupported("reducescatter")
 grouped_reducescatter = _unsupported("grouped_reducescatter")
@@ -105,6 +132,7 @@ __all__ = [
     "DistributedSampler",
     "Max",
     "Min",
+    "ProcessSet",
     "Product",
     "Sum",
     "SyncBatchNorm",
@@ -129,6 +157,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "from_config",
     "gloo_built",
     "gloo_enabled",

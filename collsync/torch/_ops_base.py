@@ -89,7 +89,15 @@ _MPI_TYPES: dict[torch.dtype, str] = {
     torch.int8: "INT8_T",
     torch.uint8: "UINT8_T",
     torch.float16: "UINT16_T",  # moved as raw 16-bit words, summed by _half_sum
+    torch.bfloat16: "UINT16_T",  # likewise, summed by _bfloat16_sum (numpy has no bfloat16)
 }
+# The 16-bit floating-point types: MPI and numpy see their raw words (`words`), a user operation sums them.
+HALVES = (torch.float16, torch.bfloat16)
+
+
+def words(tensor: torch.Tensor) -> np.ndarray:
+    """The numpy view MPI moves: the tensor itself, or a 16-bit float's raw words (no copy either way)."""
+    return tensor.view(torch.int16).numpy() if tensor.dtype in HALVES else tensor.numpy()
 
 
 def _mpi_type(dtype: torch.dtype, what: str) -> Any:
@@ -107,27 +115,35 @@ def _half_sum_fn(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
     b[:] = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
 
 
-_HALF_SUM: Any = None
+def _bfloat16_sum_fn(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+    # torch reads the words as bfloat16 and rounds float32 back to nearest-even, as its own .to(bfloat16) does.
+    a = torch.frombuffer(inbuf, dtype=torch.bfloat16)
+    b = torch.frombuffer(inoutbuf, dtype=torch.bfloat16)
+    b.copy_(a.to(torch.float32) + b.to(torch.float32))
+
+
+_SUMS: dict[torch.dtype, Any] = {}
 
 
 def _sum_op(dtype: torch.dtype) -> Any:
-    """MPI.SUM, or for float16 a user operation: each addition in float32, rounded to float16 (Horovod's)."""
+    """MPI.SUM, or for float16 and bfloat16 a user operation: each addition in float32, rounded back to the 16-bit
+    type (Horovod's float16 operation; bfloat16 the same way, to nearest-even)."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
-    global _HALF_SUM
-    if dtype != torch.float16:
+    if dtype not in HALVES:
         return MPI.SUM
-    if _HALF_SUM is None:
-        _HALF_SUM = MPI.Op.Create(_half_sum_fn, commute=True)
-    return _HALF_SUM
+    if dtype not in _SUMS:
+        _SUMS[dtype] = MPI.Op.Create(_half_sum_fn if dtype == torch.float16 else _bfloat16_sum_fn, commute=True)
+    return _SUMS[dtype]
 
 
 def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """tensor *= factor, for float16 computed in float32 and rounded once (Horovod's ScaleBuffer on the CPU)."""
+    """tensor *= factor, for float16 and bfloat16 computed in float32 and rounded once (Horovod's ScaleBuffer on
+    the CPU)."""
     if factor == 1.0:
         return tensor
-    if tensor.dtype == torch.float16:
-        return tensor.copy_((tensor.to(torch.float32) * np.float32(factor)).to(torch.float16))
+    if tensor.dtype in HALVES:
+        return tensor.copy_((tensor.to(torch.float32) * np.float32(factor)).to(tensor.dtype))
     if not tensor.dtype.is_floating_point:
         return tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
     return tensor.mul_(factor)

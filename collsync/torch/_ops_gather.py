@@ -18,6 +18,7 @@ from collsync.torch._ops_base import (
     _register,
     global_process_set,
     synchronize,
+    words,
 )
 from collsync.torch._world import state
 
@@ -35,9 +36,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
     counts = [r * inner for r in rows]
     mpi_t = _mpi_type(src.dtype, "allgather")
-    send = src.view(torch.int16).numpy() if src.dtype == torch.float16 else src.numpy()
-    recv = out.view(torch.int16).numpy() if out.dtype == torch.float16 else out.numpy()
-    request = comm.Iallgatherv([send, mpi_t], [recv, (counts, None), mpi_t])
+    request = comm.Iallgatherv([words(src), mpi_t], [words(out), (counts, None), mpi_t])
     return _register(_Handle(request, lambda: out))
 
 
@@ -55,8 +54,7 @@ def broadcast_async_(
     if not 0 <= root_rank < comm.Get_size():
         raise ValueError(f"broadcast: root_rank={root_rank} must be in 0..{comm.Get_size() - 1}")
     buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-    array = buf.view(torch.int16).numpy() if buf.dtype == torch.float16 else buf.numpy()
-    request = comm.Ibcast([array, _mpi_type(buf.dtype, "broadcast")], root=root_rank)
+    request = comm.Ibcast([words(buf), _mpi_type(buf.dtype, "broadcast")], root=root_rank)
 
     def finish() -> torch.Tensor:
         if buf.data_ptr() != tensor.data_ptr():

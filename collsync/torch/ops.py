@@ -4,8 +4,9 @@ Same names, signatures and defaults as `horovod.torch` 0.28: `op` defaults to `A
 works in place; `*_async` returns a handle for `synchronize` / `poll`. Reductions run in place on the tensors'
 numpy views (no copy for contiguous CPU tensors). float16 tensors are summed pairwise in float32 and rounded back
 to float16 after each addition, as Horovod's own float16 MPI operation does, so `Compression.fp16` gives Horovod's
-numbers. What Horovod has and collsync does not (Adasum, Min/Max/Product, process sets, GPU tensors) raises
-`NotImplementedError` naming it.
+numbers; bfloat16 tensors (numpy has none: MPI moves their raw 16-bit words) are summed the same way, rounded to
+nearest-even by torch (not checked against Horovod's bits). What Horovod has and collsync does not (Adasum,
+Min/Max/Product, process sets, elastic, GPU tensors) raises `NotImplementedError` naming it.
 
 One module per family: the allreduces here, gathers and broadcasts in `_ops_gather`, what they share (constants,
 checks, datatypes, handles) in `_ops_base`; every public name is importable from here.
@@ -39,6 +40,7 @@ from collsync.torch._ops_base import (
     poll,
     scale_,
     synchronize,
+    words,
 )
 from collsync.torch._ops_gather import (
     allgather,
@@ -115,8 +117,7 @@ def _allreduce_start(
     buf = output if output.is_contiguous() else output.contiguous()
     scale_(buf, prescale)
     post = postscale / comm.Get_size() if op == Average else postscale
-    array = buf.detach().view(torch.int16).numpy() if buf.dtype == torch.float16 else buf.detach().numpy()
-    message = [array, _mpi_type(buf.dtype, what)]
+    message = [words(buf.detach()), _mpi_type(buf.dtype, what)]
     if blocking:
         comm.Allreduce(MPI.IN_PLACE, message, op=_sum_op(buf.dtype))
         request = None

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import collsync.torch as hvd
+from collsync.policy import bsp
+from collsync.torch.config import server_lr
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,6 +66,23 @@ def test_allreduce_float16_rounds_after_each_addition_like_horovod():
     assert out.dtype == torch.float16 and torch.equal(out, expected)
 
 
+def test_bfloat16_is_reduced_in_float32_rounded_after_each_addition():
+    """numpy has no bfloat16: its raw words travel and each addition is done in float32 and rounded to nearest-even
+    (the same x on every rank, so the order of the additions cannot change the result)."""
+    x = torch.tensor([1.0 + 2**-7, 3.0, -0.5], dtype=torch.bfloat16)  # 1 + 2**-7: bfloat16's smallest step above 1
+    expected = x.clone()
+    for _ in range(hvd.size() - 1):
+        expected = (expected.float() + x.float()).bfloat16()
+    out = hvd.allreduce(x, op=hvd.Sum)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    exact = torch.tensor([float(hvd.rank() + 1)], dtype=torch.bfloat16)  # small whole numbers: exact sums
+    n = hvd.size()
+    assert hvd.allreduce(exact).item() == (n + 1) / 2
+    gathered = hvd.allgather(exact)
+    assert gathered.dtype == torch.bfloat16 and gathered.tolist() == [float(r + 1) for r in range(n)]
+    assert hvd.broadcast(exact, root_rank=0).item() == 1.0
+
+
 def test_allreduce_carries_gradients():
     x = torch.ones(2, dtype=torch.float64, requires_grad=True)
     (hvd.allreduce(x * (hvd.rank() + 1), op=hvd.Sum).sum()).backward()
@@ -100,6 +119,52 @@ def test_what_horovod_has_and_collsync_not_is_refused_by_name():
         hvd.alltoall(torch.zeros(1))
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.DistributedOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), op=hvd.Adasum)
+    with pytest.raises(NotImplementedError, match=r"collsync.torch.elastic.run: .*server_state"):
+        hvd.elastic.run(lambda state: None)
+    with pytest.raises(NotImplementedError, match=r"collsync.torch.elastic.TorchState: "):
+        hvd.elastic.TorchState(model=net())
+    with pytest.raises(NotImplementedError, match=r"collsync.torch.ProcessSet: .*init\(comm=\[ranks\]\)"):
+        hvd.ProcessSet([0])
+
+
+def test_options_beside_a_mode_merge_and_conflicts_are_refused_by_name():
+    """DistributedOptimizer(..., penalty=..., backups=...) after init(sync=...) chose the mode: `sync_config`
+    merges them with the SyncConfig init made, key by key."""
+    merged = hvd.sync_config(hvd.sync_config("async"), penalty="gap_aware")
+    assert merged.name == "async" and merged.penalty is not None and merged.penalty["name"] == "gap_aware"
+    assert merged.servers == 1
+    assert hvd.sync_config(hvd.sync_config("backup"), backups=2).policy.backups == 2
+    chosen = hvd.sync_config("backup", backups=2)
+    assert hvd.sync_config(chosen, backups=2) == chosen  # the same value again is no conflict
+    with pytest.raises(ValueError, match=r"backups=1 conflicts with backups=2"):
+        hvd.sync_config(chosen, backups=1)
+    with pytest.raises(ValueError, match=r"penalty='staleness_aware' conflicts with penalty='gap_aware'"):
+        hvd.sync_config(merged, penalty="staleness_aware")
+    with pytest.raises(ValueError, match="unknown option max_lead=2"):
+        hvd.sync_config(hvd.sync_config("async"), max_lead=2)
+    with pytest.raises(ValueError, match="made from a SyncPolicy"):
+        hvd.sync_config(hvd.sync_config(bsp()), penalty="gap_aware")
+
+
+@pytest.mark.parametrize(
+    ("sync", "options", "factor"),
+    [
+        ("bsp", {}, 1.0),
+        ("backup", {"backups": 1}, 0.75),
+        ("async", {}, 0.25),
+        ("bfasgd", {}, 0.25),
+        ("psp", {"pushes": 3}, 0.75),
+        ("ssp", {"max_lead": 3}, 0.25),
+        ("ssp", {"max_lead": 1}, 0.5),
+    ],
+)
+def test_server_lr_rescales_horovods_lr_to_the_gradients_an_update_averages(sync, options, factor):
+    """A script's lr x size() is for a mean of size() gradients; the server averages g and reads up to s rounds
+    stale: lr x g / size() / (1 + s) (config.server_lr), for 4 workers here."""
+    policy = hvd.sync_config(sync, **options).policy
+    rule = {"_target_": "collsync.rules.momentum", "lr": 0.08, "momentum": 0.9, "weight_decay": 0.0}
+    assert server_lr(rule, policy, 4) == {**rule, "lr": 0.08 * factor}
+    assert "lr" not in server_lr({"_target_": "collsync.rules.dana"}, policy, 4)
 
 
 def test_server_modes_without_reserved_servers_say_how():
