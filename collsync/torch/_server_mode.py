@@ -3,7 +3,8 @@ servers): a worker of the shards on MPI windows (see `collsync.torch.optimizer`)
 
 `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
 applied on the servers by collsync's rule made from the user's optimizer's class and hyperparameters
-(`config.server_rule`) plus the penalty; the user's optimizer's own state is not used.
+(`config.server_rule`, its lr rescaled by `config.server_lr`) plus the penalty; the user's optimizer's own state is
+not used.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ What `step()` does depends on the mode, one module per mode family behind the `_
   parameter server on MPI windows.
   `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
   applied on the servers by collsync's rule made from your optimizer's class and hyperparameters
-  (`config.server_rule`) plus the penalty; your optimizer's own state is not used (it stays empty) and a change of
+  (`config.server_rule`; Horovod's lr x size() rescaled to the gradients one update averages, `config.server_lr`)
+  plus the penalty; your optimizer's own state is not used (it stays empty) and a change of
   its learning rate after construction does not reach the servers (warned once). Training ends for everyone when
   the workers leave (`shutdown()`, at exit, or `join()`): under a round policy (BSP, backup, SSP, PSP) as soon as
   one worker leaves, since its rounds can no longer complete; the other workers' `step()` then returns without
@@ -175,8 +176,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """Wrap `optimizer` so that `step()` synchronises the workers as `sync` says (default: what `init(sync=...)`
     set, else "bsp"); returns the same object, its class extended. Horovod's arguments keep Horovod's meaning under
     `bsp`; `sync_options` are the mode's own (`backups=1`, `max_lead=3`, `penalty="gap_aware"`, ... see
-    `collsync.torch.sync_config`). `num_groups` / `groups` only group Horovod's reductions: collsync fuses every
-    gradient into one reduction, so they change nothing. `server_state`: server modes, what
+    `collsync.torch.sync_config`; after `init(sync=...)` they merge with the options it was given, and a value that
+    contradicts one of those is refused naming both). `num_groups` / `groups` only group Horovod's reductions:
+    collsync fuses every gradient into one reduction, so they change nothing. `server_state`: server modes, what
     `server_state_dict()` returned in an earlier run: the servers go on from it (the workers pull its parameters).
 
     Raises:
