@@ -120,6 +120,7 @@ def _train(cfg: DictConfig) -> float | None:
     from collsync import checkpoint
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    checkpoint.stop_now("during start-up")  # a signal since `train()` began: nothing to save, end now
     checkpoint.install()  # SIGTERM / SIGINT / SIGUSR1: checkpoint, write the run folder, exit 128 + the signal
     try:
         result = execute(cfg, out_dir, HydraConfig.get().runtime.choices)
@@ -243,7 +244,12 @@ def train() -> None:
 
         print(f"collsync {__version__}")
         return
-    _check_world()
+    from collsync import checkpoint  # lazily, as in `_train`: torch loads once a run is asked for, not for --version
+
+    _check_world()  # MPI_Init: before the handlers, which a rank held inside it (by a rank that never came) never runs
+    # From here a stop signal is a request that the start-up waits look at (they end the process at once, 128 + n):
+    # Python's defaults would leave a traceback (SIGINT) or nothing at all to say which rank stopped.
+    checkpoint.install()
     _shared_run_dir()
     # Hydra prints its own errors (an unknown key, a missing option, a run folder it cannot create) over several
     # lines and exits 1; with HYDRA_FULL_ERROR it raises them instead, and they are printed here as one line. A user

@@ -77,3 +77,38 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path, where, sync, says):
     assert lines and all(says in line for line in lines), err[-2000:]
     named = "arrived: ranks 0-1" if where == "init" else f"rank 2 on {HOST} did not arrive"
     assert named in lines[0], lines[0]
+
+
+def test_sigterm_while_start_up_waits_for_a_lost_rank_ends_the_job_at_once(tmp_path):
+    """Rank 2 stopped before `init()`, a 60 s deadline, and SIGTERM to the others (as `timeout` or Slurm sends it):
+    they are waiting in the start-up exchange, which looks at the request and ends each at once with 143."""
+    stopped = tmp_path / "stopped"
+    args = [str(MPIEXEC), "-n", "3", sys.executable, str(SCRIPT), "init", "bsp", "2", str(tmp_path), "signals"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        end = time.monotonic() + 180
+        ready = [tmp_path / f"pid-{r}" for r in range(3)]
+        while not (stopped.exists() and all(p.exists() for p in ready)) and time.monotonic() < end:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+        time.sleep(1.0)  # the others are inside the start-up exchange by now (it waits up to 60 s)
+        pids = [int(p.read_text()) for p in ready]
+        hit = time.monotonic()
+        for pid in pids[:2]:
+            os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - hit
+    finally:
+        for pid in pids[2:]:
+            for again in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, again)
+                except OSError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-2000:])
+    assert took < 20, (took, err[-2000:])
+    assert "collsync: stopped by SIGTERM during start-up" in err and "Traceback" not in err, err[-2000:]
