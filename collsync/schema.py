@@ -110,12 +110,12 @@ def check(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> RunConfi
     hints = typing.get_type_hints(RunConfig)
     # (node, key, the key as the user types it, its type), top-level keys first, then each group's.
     entries = [(cfg, f.name, f.name, hints[f.name]) for f in fields(RunConfig) if f.name in cfg]
-    for group in cfg.keys():
+    for group in map(str, cfg.keys()):
         if OmegaConf.is_missing(cfg, group) or OmegaConf.is_interpolation(cfg, group):
             continue
         node = cfg[group]
         if isinstance(node, DictConfig) and "_target_" in node:
-            entries += [(node, key, f"{group}.{key}", hint) for key, hint in _group_keys(node, str(group))]
+            entries += [(node, key, f"{group}.{key}", hint) for key, hint in _group_keys(node, group)]
     # Literal values first: an interpolation (gap_aware's eta_max: ${oc.select:optimizer.lr,0.1}) is checked after
     # its source, so a bad value is reported under the key the user typed.
     entries.sort(key=lambda e: OmegaConf.is_interpolation(e[0], e[1]))
@@ -129,7 +129,8 @@ def _primary() -> tuple[dict[str, str], dict[str, list[str]]]:
     the defaults list; a group that defaults to null, such as `method`, is optional), and its own mappings with
     their keys (`checkpoint: [every, seconds]`)."""
     primary = OmegaConf.create(files("collsync.conf").joinpath("config.yaml").read_text())
-    groups = {}
+    assert isinstance(primary, DictConfig)  # a YAML mapping
+    groups: dict[str, str] = {}
     for entry in primary.get("defaults", []):
         if isinstance(entry, DictConfig):
             groups |= {str(k): str(v) for k, v in entry.items() if v is not None and "@" not in str(k)}
@@ -206,7 +207,8 @@ def _factory(target: str) -> tuple[Mapping[str, inspect.Parameter], dict[str, An
 
 def _raw(node: DictConfig, key: str) -> Any:
     """The value as the user wrote it (an interpolation unresolved), for messages."""
-    return OmegaConf.to_container(node, resolve=False).get(key) if isinstance(node, DictConfig) else None
+    raw = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None
+    return raw.get(key) if isinstance(raw, dict) else None
 
 
 def _checked(node: DictConfig, key: str, path: str, hint: Any) -> Any:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from hydra.utils import instantiate
@@ -71,8 +71,7 @@ def build(cfg: DictConfig) -> Parts:
     model = instantiate(cfg.model)(input_shape=data.input_shape, classes=data.classes, seed=run.seed)
     # A penalty is a Rule applied per arrival, or a wrapper of the optimizer's step (001_... Alg. 3).
     penalty, optimizer = combine(instantiate(cfg.penalty), instantiate(cfg.optimizer))
-    config = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(config, dict)  # a DictConfig's container is a dict
+    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's container: a dict
     return Parts(
         run=run,
         config=config,

@@ -81,9 +81,11 @@ class SyncBatchNorm(_BatchNorm):
         out, mean, var, count = _SyncBatchNormFn.apply(input, self.weight, self.bias, self.eps)
         if self.track_running_stats:
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)  # type: ignore[operator]
+                tracked = self.num_batches_tracked
+                assert tracked is not None  # track_running_stats registers it
+                tracked.add_(1)
                 if self.momentum is None:
-                    m = 1.0 / float(self.num_batches_tracked)
+                    m = 1.0 / float(tracked)
                 else:
                     m = self.momentum
                 n = count.item()
