@@ -158,6 +158,17 @@ def test_horovod_script_with_one_keyword_trains_as_bsp(horovod_style, sync):
     assert horovod_style(sync) >= horovod_style("bsp") - 0.01, (sync, horovod_style(sync), horovod_style("bsp"))
 
 
+def test_options_beside_inits_mode_merge_and_contradictions_are_refused():
+    proc = mpirun(3, str(SCRIPTS / "torch_options.py"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(r"worker \d: async version (\d+) refused: (.*)", proc.stdout)
+    assert len(lines) == 2, proc.stdout
+    assert all(int(version) >= 5 for version, _ in lines)  # both workers' gradients applied (5 each, 10 in all)
+    assert {why for _, why in lines} == {
+        "sync=async: quorum=2 conflicts with quorum=1 of the mode init(sync=...) chose"
+    }
+
+
 def test_example_runs_on_horovod_by_its_import_line(tmp_path):
     have_horovod()
     source = (ROOT / "examples" / "mnist.py").read_text()
