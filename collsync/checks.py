@@ -23,6 +23,8 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
     * rounds: an update aggregates only gradients of its own round, each worker at most once; a worker starts
       round c only on version >= c - max_lead;
     * staleness is never negative;
+    * a `lost` worker (`Server.lose`) is part of no later update, and from then on an update counts only the live
+      workers (its bounds above become at most n - lost);
     * SpecSync: `abort` events only under a policy that speculates, each with `wasted` >= 0 seconds; where the trace
       has `start` events (the simulator), an abort ends that worker's gradient under way (same round and version,
       `wasted` = the time since its start) and the worker's next start is on a strictly newer version.
@@ -39,6 +41,7 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
     speculates = policy.speculation is not None and policy.speculation.speculates
     under_way: dict[int, Event] = {}  # each worker's last start (the simulator traces them)
     aborted: dict[int, Event] = {}  # workers whose next start must be on a newer version
+    lost: set[int] = set()
     for e in events:
         if e["t"] < last_t:
             errors.append(f"time goes backwards at {e}")
@@ -57,6 +60,10 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
             if gone is not None and not e["version"] > gone["version"]:
                 errors.append(f"worker {e['worker']} restarted on version {e['version']} after an abort on it: {gone}")
             under_way[e["worker"]] = e
+        elif ev == "lost":
+            lost.add(e["worker"])
+            live = workers - len(lost)
+            quorum, full, least = min(quorum, live), min(full, live), min(least, live)
         elif ev == "abort":
             errors.extend(_check_abort(e, under_way.pop(e["worker"], None), speculates, workers))
             aborted[e["worker"]] = e
@@ -74,6 +81,10 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
                     errors.append(f"round {round_} aggregated gradients of rounds {e['clocks']}")
                 if len(set(e["workers"])) != len(e["workers"]):
                     errors.append(f"round {round_} took a worker twice: {e['workers']}")
+            if lost & set(e["workers"]):
+                errors.append(
+                    f"update {e['version']} took a gradient of lost worker(s) {sorted(lost & set(e['workers']))}"
+                )
             count = len(e["workers"])
             if not least <= count <= full:
                 errors.append(f"update {e['version']} aggregated {count} gradients, not in [{least}, {full}]")

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from collsync.flat import FlatModel
+from collsync.lost import LOST_POLL_S, close_serving, lose_silent, stuck_message
 from collsync.policy import SyncPolicy
 from collsync.runtime import Collective, Mailbox, Partial, PartialResult, ServingMailbox
 from collsync.server import Server
@@ -211,7 +212,9 @@ def run_server(
 
     Two clocks run here, as in the simulator: the policy's collection `timeout` starts once per update when the
     server starts collecting (`Server.collecting`) and flushes the update when it fires; the `deadline` is the
-    longest the server waits for any gradient at all before it names the workers it waits on.
+    longest the server waits on a worker: one that owes a gradient (none of its gradients is buffered) and sent
+    nothing for `deadline` seconds is lost (`Server.lose`: the others go on without it where the policy allows,
+    else the run stops naming the workers it waits on). At the end, lost workers are not waited for.
 
     `until_left`: the workers' own loops decide when training ends (`collsync.torch`), not `server.steps`. The
     server stops (`Server.stop`) once every worker left a stream policy, or once any worker left a round policy
@@ -232,11 +235,17 @@ def run_server(
     flush_at: float | None = None
     last = time.monotonic()  # the last time anything arrived (the deadline counts from it)
     looked = last
+    heard = [last] * server.workers  # the last time each worker sent anything
+    looked_lost = last
     while not server.done:
         fires = server.arm(time.monotonic())
         if fires is not None:
             flush_at = fires
         wait = policy.deadline if flush_at is None else max(0.0, flush_at - time.monotonic())
+        if wait is not None and policy.deadline is not None:
+            # Wake up when the quietest live worker would reach the deadline (it may be lost then).
+            quiet = min((heard[w] for w in range(server.workers) if w not in server.lost), default=last)
+            wait = min(wait, max(LOST_POLL_S, quiet + policy.deadline - time.monotonic()))
         if until_left:
             wait = _LEFT_POLL_S if wait is None else min(wait, _LEFT_POLL_S)
         if between is not None:
@@ -248,14 +257,18 @@ def run_server(
         now = time.monotonic()
         before = server.version
         if arrival is not None:
-            last = now
+            last = heard[arrival.worker] = now
             server.accept(arrival)
             if not server.holds(arrival.grad):
                 mailbox.recycle(arrival.grad)  # no allocation per receive: its buffer takes the next gradient
         elif flush_at is not None and now >= flush_at:
             server.expire(server.version)
-        elif flush_at is None and policy.deadline is not None and now - last >= policy.deadline:
-            raise TimeoutError(_stuck_message(server, mailbox.describe))
+        if policy.deadline is not None and now - looked_lost >= LOST_POLL_S:
+            looked_lost = now
+            if lose_silent(server, mailbox, heard, now):
+                last = now  # the update may have been waiting on it alone: the deadline starts over
+            elif arrival is None and flush_at is None and now - last >= policy.deadline:
+                raise TimeoutError(stuck_message(server, mailbox.describe))
         if until_left and (arrival is None or now - looked >= _LEFT_POLL_S):
             looked = now
             left = mailbox.departed()
@@ -270,19 +283,9 @@ def run_server(
                 on_update(server)
         if between is not None and not server.done:
             between(server)
-    for arrival in mailbox.close(timeout=policy.deadline):
+    for arrival in close_serving(server, mailbox):
         server.accept(arrival)
     return server
-
-
-def _stuck_message(server: Server, describe: Callable[[list[int]], str]) -> str:
-    got = {a.worker for a in server.pending.get(server.version, [])}
-    missing = [w for w in range(server.workers) if w not in got]
-    named = describe(missing)
-    return (
-        f"{server.policy.name}: round {server.version} got no gradient within deadline={server.policy.deadline}s; "
-        f"waiting on {named}"
-    )
 
 
 def run_allreduce(

@@ -79,6 +79,7 @@ class SyncPolicy:
     pull_timeout: float | None = None
     push_fraction: float | None = None
     speculation: Speculation | None = None  # SpecSync (004_...): naive waiting, scheduler re-syncs and aborts
+    on_lost: str | None = None  # a worker silent for `deadline`: "continue" without it or "stop"; None: `tolerates`
 
     def __post_init__(self) -> None:
         if self.backups < 0:
@@ -103,6 +104,8 @@ class SyncPolicy:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"{self.name}: {key}={value!r} must be > 0 seconds")
+        if self.on_lost not in ON_LOST:
+            raise ValueError(f"{self.name}: on_lost={self.on_lost!r} must be one of continue, stop (or null)")
         t = self.transmit
         if t is not None and self.rounds:
             raise ValueError(
@@ -151,6 +154,23 @@ class SyncPolicy:
             return max(1, math.ceil(self.push_fraction * workers - 1e-9))
         return workers - self.backups if self.rounds else 1
 
+    def tolerates(self, lost: int, workers: int) -> bool:
+        """May training go on with `lost` of `workers` workers lost (silent for `deadline`)? `on_lost=stop` never;
+        `on_lost=continue`, or by default a policy that needs no particular worker, while one worker is left:
+
+            stream (async, bfasgd, specsync):  n - lost >= 1
+            backup workers (000_... Alg. 3-4): lost <= b    (the N = n - b gradients of a round still come)
+            SSP, PSP (rounds with a bound or a partial push):  n - lost >= 1   (their quorum shrinks to the live)
+            BSP: never by default (every worker, every round: a BSP run goes on through a restart instead)
+        """
+        if self.on_lost == "stop" or lost >= workers:
+            return False
+        if self.on_lost == "continue" or not self.rounds:
+            return True
+        if self.backups:
+            return lost <= self.backups
+        return bool(self.max_lead) or self.timeout is not None or self.quorum_for(workers) < workers
+
     def may_start(self, clock: int, version: int) -> bool:
         """Whether a worker may compute the gradient of round `clock` on parameters at server `version`."""
         return not self.rounds or version >= clock - (self.max_lead or 0)
@@ -163,21 +183,24 @@ class SyncPolicy:
         return max(clock + 1, version) if self.rounds else version
 
 
+# What `sync.on_lost` may say (None: the policy's default, see `SyncPolicy.tolerates`).
+ON_LOST = (None, "continue", "stop")
+
 # The longest a server waits for any gradient at all (and, at the end, for a worker to stop) before it stops the run
 # naming the workers it waits for: finite by default, so a stopped or dead worker never hangs a job for ever. None
 # (`sync.deadline=null`) waits for ever, when asked for.
 DEADLINE = 600.0
 
 
-def bsp(deadline: float | None = DEADLINE) -> SyncPolicy:
+def bsp(deadline: float | None = DEADLINE, on_lost: str | None = None) -> SyncPolicy:
     """Bulk-synchronous: every worker, every round; the mean of all n gradients."""
-    return SyncPolicy("bsp", deadline=deadline)
+    return SyncPolicy("bsp", deadline=deadline, on_lost=on_lost)
 
 
-def backup(backups: int = 1, deadline: float | None = DEADLINE) -> SyncPolicy:
+def backup(backups: int = 1, deadline: float | None = DEADLINE, on_lost: str | None = None) -> SyncPolicy:
     """Sync-Opt with b backup workers (000_... Alg. 3-4): the first N = n - b gradients of each round are averaged,
     later ones are dropped."""
-    return SyncPolicy("backup", backups=backups, deadline=deadline)
+    return SyncPolicy("backup", backups=backups, deadline=deadline, on_lost=on_lost)
 
 
 def asynchronous(
@@ -186,6 +209,7 @@ def asynchronous(
     c_push: float | None = None,
     c_fetch: float | None = None,
     deadline: float | None = DEADLINE,
+    on_lost: str | None = None,
 ) -> SyncPolicy:
     """ASGD (001_... Alg. 1-2) with quorum 1; with quorum c > 1, updates of c gradients, and with a `timeout`, an
     update of whatever came within `timeout` seconds of its first gradient (for PSP's rounds, see `psp`).
@@ -200,6 +224,7 @@ def asynchronous(
         timeout=timeout,
         transmit=transmit(c_push, c_fetch),
         deadline=deadline,
+        on_lost=on_lost,
     )
 
 
@@ -209,6 +234,7 @@ def bfasgd(
     quorum: int = 1,
     timeout: float | None = None,
     deadline: float | None = DEADLINE,
+    on_lost: str | None = None,
 ) -> SyncPolicy:
     """B-FASGD (002_... §2.3, eq. 9; with optimizer=fasgd, whose v the server publishes): ASGD whose workers push
     (fetch) at each opportunity iff r < 1 / (1 + c_push / (v + eps)) (c_fetch), r uniform in [0, 1) (`Transmit`);
@@ -223,16 +249,21 @@ def bfasgd(
         timeout=timeout,
         transmit=transmit(c_push, c_fetch),
         deadline=deadline,
+        on_lost=on_lost,
     )
 
 
-def ssp(max_lead: int = 3, timeout: float | None = None, deadline: float | None = DEADLINE) -> SyncPolicy:
+def ssp(
+    max_lead: int = 3, timeout: float | None = None, deadline: float | None = DEADLINE, on_lost: str | None = None
+) -> SyncPolicy:
     """Stale-synchronous parallel (004_... §II-C): a worker may run at most `max_lead` rounds ahead of the slowest.
 
     With a `timeout`, a round is applied with the gradients that came within `timeout` seconds of its first one,
     so a frozen worker stops counting as the slowest (its late gradients are dropped).
     """
-    return SyncPolicy("ssp", max_lead=max_lead, deadline=deadline, timeout=timeout, quorum=1 if timeout else None)
+    return SyncPolicy(
+        "ssp", max_lead=max_lead, deadline=deadline, timeout=timeout, quorum=1 if timeout else None, on_lost=on_lost
+    )
 
 
 def psp(
@@ -242,6 +273,7 @@ def psp(
     pull_fraction: float = 0.9,
     pull_timeout: float | None = None,
     deadline: float | None = DEADLINE,
+    on_lost: str | None = None,
 ) -> SyncPolicy:
     """PSP-SGD (003_... Alg. 1): partially synchronous rounds.
 
@@ -262,6 +294,7 @@ def psp(
         pull_fraction=pull_fraction,
         pull_timeout=pull_timeout,
         deadline=deadline,
+        on_lost=on_lost,
     )
 
 
@@ -274,6 +307,7 @@ def specsync(
     wait: float = 0.0,
     scheduler: str = "server",
     deadline: float | None = DEADLINE,
+    on_lost: str | None = None,
 ) -> SyncPolicy:
     """SpecSync (004_..., Alg. 1-2) over ASP (`base="async"`) or SSP (`base="ssp"`, bound `max_lead`, 3 if null).
 
@@ -291,8 +325,16 @@ def specsync(
     if base == "async":
         if max_lead is not None:
             raise ValueError(f"specsync: max_lead={max_lead} bounds SSP's lead; it needs base=ssp, not base={base}")
-        return SyncPolicy("specsync", rounds=False, quorum=1, max_lead=None, deadline=deadline, speculation=speculation)
+        return SyncPolicy(
+            "specsync",
+            rounds=False,
+            quorum=1,
+            max_lead=None,
+            deadline=deadline,
+            speculation=speculation,
+            on_lost=on_lost,
+        )
     if base == "ssp":
         lead = 3 if max_lead is None else max_lead
-        return SyncPolicy("specsync", max_lead=lead, deadline=deadline, speculation=speculation)
+        return SyncPolicy("specsync", max_lead=lead, deadline=deadline, speculation=speculation, on_lost=on_lost)
     raise ValueError(f"specsync: base={base!r} must be 'async' or 'ssp'")

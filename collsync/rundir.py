@@ -130,6 +130,10 @@ def write_run(
     for line in format_summary(result).splitlines():
         log.info(line)
     log.info("run folder: %s", out_dir)
+    if result.get("lost"):
+        # Finished degraded, and still a success (exit 0): the summary's `lost` says who, for scripts to check.
+        named = ", ".join(f"rank {x['rank']} on {x['host']}" for x in result["lost"])
+        log.warning("finished without lost worker(s) %s (summary.json: lost)", named)
     return result
 
 

@@ -16,21 +16,22 @@ an MPI run of the same config agree bit for bit where the arrivals agree.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from collsync.guard import GUARDS, Diverged, finite, first_bad
 from collsync.policy import SyncPolicy
-from collsync.rules.base import SIGNAL, Rule, identity, plain, unplain
+from collsync.rules.base import SIGNAL, Rule, identity
+from collsync.server_state import load_into, state_of
 from collsync.trace import Trace
 from collsync.types import Arrival, Context, Flat, Stamp
 
-GUARDS = ("stop", "skip", "off")
+__all__ = ["GUARDS", "Diverged", "Lost", "Server", "replay"]
 
 
-class Diverged(ValueError):
-    """Training went non-finite (or far above its starting loss): the run stops, naming where."""
+class Lost(RuntimeError):
+    """A worker was lost (silent for the deadline) and the policy cannot go on without it (`SyncPolicy.tolerates`)."""
 
 
 class Server:
@@ -91,6 +92,8 @@ class Server:
         # What each worker has sent (gradients received, its last round): where a resumed worker picks up.
         self.received = [0] * workers
         self.clocks = [-1] * workers
+        self.contributed = [0] * workers  # the last update each worker's gradient was part of (0: none yet)
+        self.lost: list[int] = []  # workers lost (`lose`), in the order they were
         if self.needs_read:
             self._history[0] = self.view().clone()
 
@@ -139,19 +142,40 @@ class Server:
             staleness=self.version - arrival.version,
             **({"repeat": True} if repeat else {}),
         )
-        if self.done or (self.policy.rounds and arrival.clock < self.version):
-            self._drop(arrival, "finished" if self.done else "late")
+        if self.done or (self.policy.rounds and arrival.clock < self.version) or arrival.worker in self.lost:
+            self._drop(arrival, "finished" if self.done else "lost" if arrival.worker in self.lost else "late")
             return False
-        if self.guard != "off" and not _finite(grad):
+        if self.guard != "off" and not finite(grad):
             if self.guard == "skip":
                 self._drop(arrival, "nonfinite")
                 return False
             raise Diverged(
-                f"guard: worker {arrival.worker} sent a non-finite gradient ({_first_bad(grad)}) at server "
+                f"guard: worker {arrival.worker} sent a non-finite gradient ({first_bad(grad)}) at server "
                 f"step {self.version} (guard=skip drops such gradients, guard=off lets them through)"
             )
         key = arrival.clock if self.policy.rounds else -1
         self.pending.setdefault(key, []).append(arrival)
+        self._advance()
+        return True
+
+    def lose(self, worker: int, rank: int | None = None, host: str | None = None) -> bool:
+        """`worker` is lost: silent for the policy's deadline (stopped, partitioned, dead). A `lost` event records
+        it (its `rank` and `host` where the runtime knows them, and `last_update`, the last update its gradient was
+        part of); its buffered and later gradients are dropped (reason "lost"), and every update counts only the
+        live workers: quorum Q and full F become min(Q, n - lost), min(F, n - lost), so a round waiting only on it
+        is applied now. False, with nothing changed, where the policy cannot go on (`SyncPolicy.tolerates`)."""
+        if worker in self.lost:
+            return True
+        if not self.policy.tolerates(len(self.lost) + 1, self.workers):
+            return False
+        self.lost.append(worker)
+        self._note("lost", worker=worker, rank=rank, host=host, last_update=self.contributed[worker])
+        live = self.workers - len(self.lost)
+        self.quorum, self.full = min(self.quorum, live), min(self.full, live)
+        for key in list(self.pending):
+            for a in (a for a in self.pending[key] if a.worker == worker):
+                self._drop(a, "lost")
+            self.pending[key] = [a for a in self.pending[key] if a.worker != worker]
         self._advance()
         return True
 
@@ -281,15 +305,17 @@ class Server:
         # `mean` is the server's own (see `_owned`): an in-place optimizer writes the delta over it.
         update = self.optimizer.update_ or self.optimizer.update
         delta, self.opt_state = update(mean, self.opt_state, self.params, ctx)
-        if self.guard != "off" and not _finite(delta):
+        if self.guard != "off" and not finite(delta):
             raise Diverged(
-                f"guard: the update of server step {self.version} is non-finite ({_first_bad(delta)}), from "
+                f"guard: the update of server step {self.version} is non-finite ({first_bad(delta)}), from "
                 f"worker(s) {[a.worker for a in batch]}: lower optimizer.lr, or add warm-up or a penalty"
             )
         self.params.add_(delta)
         staleness = [self.version - a.version for a in batch]
         self.version += 1
         self.applied += len(batch)
+        for a in batch:
+            self.contributed[a.worker] = self.version
         self._view = None
         if self.ema is not None and self.ema_decay is not None:
             self.ema.mul_(self.ema_decay).add_(self.params, alpha=1.0 - self.ema_decay)
@@ -318,47 +344,12 @@ class Server:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything `load_state_dict` needs to go on exactly from here, in types `torch.load(weights_only=True)`
-        reads back: tensors, numbers, lists and dicts (rule states as nested lists, see `rules.base.plain`)."""
-        return {
-            "params": self.params,
-            "ema": self.ema,
-            "version": self.version,
-            "opt_state": plain(self.opt_state),
-            "pen_state": plain(self.pen_state),
-            "pending": {k: [a._asdict() for a in batch] for k, batch in self.pending.items()},
-            "applied": self.applied,
-            "dropped": self.dropped,
-            "history": dict(self._history),
-            "last": dict(self._last),
-            "oldest": list(self._oldest),
-            "armed": self._armed,
-            "received": list(self.received),
-            "clocks": list(self.clocks),
-        }
+        reads back (see `server_state.state_of`)."""
+        return state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict()` of a server built with the same config (the shapes are checked here; the
-        config by `checkpoint.check_config`)."""
-        if state["params"].shape != self.params.shape or len(state["received"]) != self.workers:
-            raise ValueError(
-                f"checkpoint: a server of {state['params'].numel()} parameters and {len(state['received'])} workers "
-                f"cannot resume one of {self.params.numel()} and {self.workers}"
-            )
-        self.params.copy_(state["params"])
-        if self.ema is not None:
-            self.ema.copy_(state["ema"] if state["ema"] is not None else self.params)
-        self.version = int(state["version"])
-        self.opt_state = unplain(self.opt_state, state["opt_state"], "optimizer")
-        self.pen_state = unplain(self.pen_state, state["pen_state"], "penalty")
-        self.pending = {int(k): [Arrival(**a) for a in batch] for k, batch in state["pending"].items()}
-        self.applied, self.dropped = int(state["applied"]), int(state["dropped"])
-        self._history = {int(v): t for v, t in state["history"].items()}
-        self._last = {int(w): t for w, t in state["last"].items()}
-        self._oldest = list(state["oldest"])
-        self._armed = state["armed"]
-        self.received, self.clocks = list(state["received"]), list(state["clocks"])
-        self._view = None
-        self.signal = self._optimizer_stats().get(SIGNAL, 0.0)
+        """Continue from `state_dict()` of a server built with the same config (see `server_state.load_into`)."""
+        load_into(self, state)
 
     def _note(self, ev: str, **fields: object) -> None:
         if self.trace is not None:
@@ -375,12 +366,6 @@ def replay(
     return server
 
 
-def _finite(t: Flat) -> bool:
-    """Every value finite? One reduction and no mask on the server's hot path: NaN and inf propagate through a sum
-    (a sum of finite values that overflows also answers False, and is divergence all the same)."""
-    return math.isfinite(float(t.sum()))
-
-
 def _recorded(stats: dict[str, list[float]], opt: dict[str, float], gradients: int) -> dict[str, list[float]]:
     """The statistics an `apply` event records, each a list of one value per gradient: the penalty's `stats`, and
     the optimizer's `opt` where the update holds one gradient (its statistic is then that gradient's: Adam-GA's
@@ -389,8 +374,3 @@ def _recorded(stats: dict[str, list[float]], opt: dict[str, float], gradients: i
         for key, value in opt.items():
             stats.setdefault(key, [value])
     return stats
-
-
-def _first_bad(t: Flat) -> str:
-    bad = (~torch.isfinite(t)).nonzero()
-    return f"{int(bad.numel())} of {t.numel()} values, the first {t[int(bad[0])].item()} at index {int(bad[0])}"

@@ -6,6 +6,8 @@ Events (all carry `t`, seconds of simulated or wall time, and `ev`):
 * `push`   the server received a gradient: worker, clock, version
 * `drop`   the server discarded a gradient: worker, clock, version, server (its version then), reason
 * `apply`  the server changed the parameters: version (after), workers, clocks, staleness (one per gradient)
+* `lost`   the server stopped waiting for a worker silent for the deadline: worker, rank, host, last_update (the
+           last update its gradient was part of; 0: none); its later gradients are dropped (reason "lost")
 * `eval`   test accuracy of theta (`acc`) and of its EMA (`ema_acc`), `loss`, at server `version`
 """
 

@@ -27,7 +27,7 @@ from collsync.runs.delays import injected
 from collsync.runs.parts import Launch, grace, keep_on_failure, make_server, progress, scheduler_ranks
 from collsync.runs.resume import checkpoints, rank0_keeper, restore, resume_counts, shard_parts, shard_state
 from collsync.runtime.mpi_checkpoint import ShardStates
-from collsync.runtime.mpi_shards import Shards
+from collsync.runtime.mpi_shards import TAG_END, Shards, gather_within
 from collsync.runtime.mpi_specsync import SchedulerService, Speculator, install_safe_points
 from collsync.server import Server
 from collsync.trace import Trace
@@ -285,11 +285,12 @@ class ShardRun:
 
     # -- the end ------------------------------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Collective: free the windows and the communicators. No `finally: close()` around a run: freeing is
-        collective, and after a failure the other ranks are not there to join it (cli._fail aborts the world)."""
-        if self.shards is not None:
-            self.shards.close(while_waiting=self.answering)
+        collective, and after a failure the other ranks are not there to join it (cli._fail aborts the world).
+        `timeout`: a rank not there by then (a lost worker) leaves everything as it is, to the process's exit."""
+        if self.shards is not None and not self.shards.close(while_waiting=self.answering, timeout=timeout):
+            return
         if self.spec_comm is not None:
             self.spec_comm.Free()
         if self.states is not None:
@@ -302,19 +303,24 @@ class ShardRun:
         SpecSync's bytes; then every rank closes, and rank 0 writes the run folder (returns its summary)."""
         servers = self.serving.servers
         serving = self.shards is not None and self.shards.serving
-        blocks = self.comm.gather(self.mine if serving else self.mine[0], root=0)
+        # Never waits for a lost worker: those rank 0's server lost are skipped, the others bounded by the grace.
+        deadline = self.serving.policy.deadline
+        bound = None if deadline is None else grace(deadline)
+        skip = [servers + w for w in self.server.lost] if self.server is not None else []
+        blocks = gather_within(self.comm, self.mine if serving else self.mine[0], bound, servers, skip) or []
         specsync = None
         if self.spec_comm is not None:
-            gathered = self.comm.gather(None if serving else self.mine[1], root=0) or []
+            gathered = gather_within(self.comm, None if serving else self.mine[1], bound, servers, skip, TAG_END + 1)
             if self.service is not None:
-                moved = [b for b in gathered if isinstance(b, tuple)]
-                remote = next((b for b in gathered if isinstance(b, dict)), None)  # a scheduler rank's own counts
+                moved = [b for b in gathered or [] if isinstance(b, tuple)]
+                remote = next((b for b in gathered or [] if isinstance(b, dict)), None)  # a scheduler rank's own
                 specsync = specsync_summary(self.service, moved, remote)
-        self.close()
+        self.close(timeout=bound)
         if self.comm.Get_rank() != 0:
             return None
         server, launch, trace = self.server, self.launch, self.trace
         assert server is not None and launch is not None and trace is not None and self.shards is not None
+        lost = lost_workers(trace, [r for r, b in enumerate(blocks) if b is None], launch.hosts)
         params = torch.cat([b[0] for b in blocks[:servers]])
         ema = None if server.ema is None else torch.cat([b[1] for b in blocks[:servers]])
         extra: dict[str, Any] = {}
@@ -323,10 +329,12 @@ class ShardRun:
             self.evaluate.evaluate_at(server.version, params, ema)
             bounds = self.shards.bounds
             extra["shards"] = [{"rank": j, "params": list(bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])]
-            extra["partial_pulls"] = sum(blocks[servers:])  # reads that went on without every shard (PSP)
+            extra["partial_pulls"] = sum(b for b in blocks[servers:] if b is not None)  # reads without every shard
         if specsync is not None:
             extra["specsync"] = specsync
         extra["hosts"] = launch.hosts
+        if lost:
+            extra["lost"] = lost
         parts = launch.parts
         return write_run(launch.out_dir, trace, parts.policy, server, parts.config, params=params, ema=ema, extra=extra)
 
@@ -353,6 +361,15 @@ def run_shards(launch: Launch) -> dict[str, Any] | None:
     else:
         run.work()
     return run.finish()
+
+
+def lost_workers(trace: Trace, silent: list[int], hosts: list[str]) -> list[dict[str, Any]]:
+    """The summary's `lost`: each worker the server lost (its `lost` event: rank, host, last update it was part
+    of), then each rank that did not answer at the end (no last update known: null)."""
+    lost = [{"rank": e["rank"], "host": e["host"], "last_update": e["last_update"]} for e in trace.of("lost")]
+    known = {e["rank"] for e in lost}
+    lost += [{"rank": r, "host": hosts[r], "last_update": None} for r in silent if r not in known]
+    return lost
 
 
 def specsync_summary(

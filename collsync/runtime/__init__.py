@@ -8,7 +8,7 @@ Runtimes move tensors and nothing else: what a tensor means is decided by `colls
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from collsync.types import Arrival, Flat, Stamp
@@ -38,9 +38,9 @@ class Mailbox(Protocol):
         """Make `params` at `stamp` what the next `read` returns (never a torn mix of two versions)."""
         ...
 
-    def close(self, timeout: float | None = None) -> list[Arrival]:
-        """After the final (done) publish: wait for every worker to stop (at most `timeout` seconds, then a
-        `TimeoutError` naming the workers still out); return gradients still in flight."""
+    def close(self, timeout: float | None = None, lost: Sequence[int] = ()) -> list[Arrival]:
+        """After the final (done) publish: wait for every worker but the `lost` ones to stop (at most `timeout`
+        seconds, then a `TimeoutError` naming the workers still out); return gradients still in flight."""
         ...
 
 
@@ -58,6 +58,10 @@ class ServingMailbox(Mailbox, Protocol):
 
     def departed(self) -> list[int]:
         """The workers that left (their script's loop ended) or read the final `done`."""
+        ...
+
+    def locate(self, worker: int) -> tuple[int | None, str | None]:
+        """Where this worker runs: its rank and host, where known (a lost worker's trace event records them)."""
         ...
 
 

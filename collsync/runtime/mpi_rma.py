@@ -316,13 +316,19 @@ class WindowMailbox(Windows):
         self._store(0, self._seq)
         self._release()
 
-    def close(self, timeout: float | None = None) -> list[Arrival]:
+    def locate(self, worker: int) -> tuple[int | None, str | None]:
+        """Server: this worker's rank and host (None where the hosts were not gathered)."""
+        rank = self.worker_ranks[worker]
+        return rank, None if self.hosts is None else self.hosts[rank]
+
+    def close(self, timeout: float | None = None, lost: Sequence[int] = ()) -> list[Arrival]:
         left: list[Arrival] = []
         backoff = self._backoff
         backoff.reset()
         end = None if timeout is None else time.monotonic() + timeout
         while True:
-            out = [w for w in range(self.workers) if not self._load(self._slot(w) + 3)]
+            # A lost worker is not waited for (it may never run again); what it has in its slot is taken all the same.
+            out = [w for w in range(self.workers) if w not in lost and not self._load(self._slot(w) + 3)]
             for w in range(self.workers):
                 arrival = self._take(w)
                 if arrival is not None:

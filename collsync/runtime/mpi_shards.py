@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 
-from collsync.runtime.mpi_coll import shutdown
+from collsync.runtime.mpi_coll import ShutdownTimeout, shutdown
 from collsync.runtime.mpi_rma import WindowMailbox
 from collsync.runtime.mpi_windows import Backoff
 from collsync.types import Arrival, Flat, Stamp
@@ -226,9 +226,49 @@ class Shards:
         others = [j for j in range(self.servers) if j != self.rank]
         return snapshot([self.mailboxes[j] for j in others], [self.bounds[j] for j in others], out)
 
-    def close(self, while_waiting: Callable[[], None] | None = None) -> None:
+    def close(self, while_waiting: Callable[[], None] | None = None, timeout: float | None = None) -> bool:
         """Collective over the world: once every rank got here (an Ibarrier polled with pauses), free the windows.
-        `while_waiting()` runs between two polls (see `mpi_coll.shutdown`)."""
-        shutdown(self.world, while_waiting=while_waiting)
+        `while_waiting()` runs between two polls (see `mpi_coll.shutdown`). With a `timeout`: a rank that does not
+        come by then (a lost worker) leaves the windows as they are (freeing them is collective: it would wait
+        for that rank for ever); the process's exit releases them. Returns whether they were freed."""
+        try:
+            shutdown(self.world, timeout, while_waiting=while_waiting)
+        except ShutdownTimeout:
+            return False
         for mailbox in self.mailboxes:
             mailbox.free()
+        return True
+
+
+# Every rank -> rank 0: what it gives at the end of a run (`gather_within`).
+TAG_END = 77
+
+
+def gather_within(
+    comm: Any, obj: Any, timeout: float | None, first: int = 0, skip: Collection[int] = (), tag: int = TAG_END
+) -> list[Any] | None:
+    """`comm.gather(obj, root=0)` that never waits for ever on a rank that is gone: the others send without
+    waiting for rank 0 to be there, and rank 0 takes ranks 1..`first`-1 first (the servers: what they give may say
+    which workers were lost), then each other rank as it comes, for at most `timeout` seconds in all (None: for
+    ever), and not at all for the ranks in `skip` (known lost). A rank that did not come is None in the list.
+    Returns the list on rank 0, None elsewhere. `tag`: one per gather in a row (a late message is not taken for
+    the next gather's)."""
+    if comm.Get_rank() != 0:
+        request = comm.isend(obj, dest=0, tag=tag)
+        backoff, end = Backoff(), None if timeout is None else time.monotonic() + timeout
+        while not request.Test() and (end is None or time.monotonic() < end):
+            backoff.wait()
+        return None
+    got: list[Any] = [obj] + [None] * (comm.Get_size() - 1)
+    end = None if timeout is None else time.monotonic() + timeout
+    for group in (range(1, first), range(max(1, first), comm.Get_size())):
+        waiting, backoff = set(group) - set(skip), Backoff()
+        while waiting and (end is None or time.monotonic() < end):
+            for r in sorted(waiting):
+                message = comm.improbe(source=r, tag=tag)
+                if message is not None:
+                    got[r] = message.recv()
+                    waiting.discard(r)
+                    backoff.reset()
+            backoff.wait()
+    return got

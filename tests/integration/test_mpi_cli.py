@@ -273,14 +273,15 @@ def test_a_stopped_rank_does_not_stop_training(tmp_path, overrides):
 @pytest.mark.parametrize(
     ("overrides", "wait"),
     [
-        (["sync=async", "optimizer=sgd", "steps=400"], "did not stop within deadline=3"),
         (["sync=bsp", "steps=2000"], "got no gradient within deadline=3"),
+        (["sync=async", "optimizer=sgd", "steps=2000", "sync.on_lost=stop"], "got no gradient within deadline=3"),
     ],
-    ids=["async", "bsp"],
+    ids=["bsp", "async-on_lost-stop"],
 )
 def test_a_stopped_worker_ends_the_run_by_the_deadline_keeping_what_was_trained(tmp_path, overrides, wait):
-    """SIGSTOP worker 1 (rank 2) for good: async trains on and fails at the end, BSP stops at once; either way the
-    run ends within the deadline naming the rank and its host, and the run folder holds what was trained."""
+    """SIGSTOP worker 1 (rank 2) for good under a policy that cannot go on without it (BSP, or async told
+    sync.on_lost=stop; async by default goes on: tests/integration/test_lost_workers.py): the run ends within the
+    deadline naming the rank and its host, and the run folder holds what was trained."""
     args = [o for o in command(tmp_path, 4, *overrides, "sync.deadline=3") if o != "progress=false"]
     proc, err, reader = _watched(args + ["progress=true"], tmp_path)
     pids: list[int] = []

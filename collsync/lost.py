@@ -1,0 +1,63 @@
+"""Lost workers on the server's side: a worker that owes a gradient and sent nothing for the policy's `deadline`
+(stopped, partitioned, dead) is lost (`Server.lose`); the others go on without it where the policy allows
+(`SyncPolicy.tolerates`), else the run stops naming the workers it waited on. At the end, lost workers are not
+waited for. `loops.run_server` drives these; they read nothing but the server and its mailbox."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from collsync.runtime import ServingMailbox
+from collsync.server import Server
+from collsync.types import Arrival
+
+# The least a server sleeps between two looks for lost workers (the deadline counts in seconds).
+LOST_POLL_S = 0.05
+
+
+def _owes(server: Server, worker: int) -> bool:
+    """Whether the update under way waits on `worker`: none of its gradients is buffered. (One that is waits on
+    the server: at BSP's barrier, or SSP's bound.)"""
+    return not any(a.worker == worker for batch in server.pending.values() for a in batch)
+
+
+def lose_silent(server: Server, mailbox: ServingMailbox, heard: list[float], now: float) -> bool:
+    """Lose every worker that owes a gradient and sent nothing for the deadline (stopped, partitioned, dead; one
+    that left is not silent, it is gone). True if one was lost; a TimeoutError naming the workers waited on where
+    the policy cannot go on without it (`Server.lose`)."""
+    deadline = server.policy.deadline
+    assert deadline is not None
+    silent = [w for w in range(server.workers) if w not in server.lost and now - heard[w] >= deadline]
+    if silent:
+        left = mailbox.departed()
+        silent = [w for w in silent if _owes(server, w) and w not in left]
+    for w in silent:
+        rank, host = mailbox.locate(w)
+        if not server.lose(w, rank, host):
+            raise TimeoutError(stuck_message(server, mailbox.describe, None if server.policy.rounds else silent))
+    return bool(silent)
+
+
+def close_serving(server: Server, mailbox: ServingMailbox) -> list[Arrival]:
+    """After the final publish: wait for the live workers to stop (lost ones are not waited for), at most the
+    deadline; those still out then are lost too, where the policy can do without them."""
+    policy = server.policy
+    try:
+        # `lost` only when there are: a mailbox wrapped by a caller may take just the timeout.
+        return mailbox.close(policy.deadline, server.lost) if server.lost else mailbox.close(policy.deadline)
+    except TimeoutError:
+        out = [w for w in range(server.workers) if w not in server.lost and w not in mailbox.departed()]
+        if not out or not all(server.lose(w, *mailbox.locate(w)) for w in out):
+            raise
+        return mailbox.close(policy.deadline, server.lost)
+
+
+def stuck_message(server: Server, describe: Callable[[list[int]], str], silent: list[int] | None = None) -> str:
+    """The run cannot go on: name the workers waited on (the `silent` ones, else those missing from the round)."""
+    got = {a.worker for a in server.pending.get(server.version, [])}
+    missing = silent or [w for w in range(server.workers) if w not in got]
+    named = describe(missing)
+    return (
+        f"{server.policy.name}: round {server.version} got no gradient within deadline={server.policy.deadline}s; "
+        f"waiting on {named}"
+    )
