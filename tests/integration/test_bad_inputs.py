@@ -108,7 +108,7 @@ ROWS = [
     Row("timeout-past-deadline", ["sync=ssp", "sync.timeout=700"], "timeout=700 must be < deadline=600"),
     Row("pull-fraction-zero", ["sync=psp", "sync.pull_fraction=0"], "pull_fraction=0 must be in (0, 1]"),
     Row("allreduce-async", ["runtime=allreduce", "sync=async"], "runtime=allreduce runs only sync=bsp"),
-    Row("slow-shard-sim", ["stragglers=slow_server", "stragglers.shard=1"], "slow_shard=1 needs runtime=mpi"),
+    Row("slow-shard-sim", ["stragglers=slow_server", "stragglers.shard=1"], "stragglers.shard=1 needs runtime=mpi"),
     Row("c-push-negative", ["sync=async", "sync.c_push=-1"], "c_push=-1 must be >= 0"),
     Row("granularity", ["penalty=gap_aware", "penalty.granularity=bogus"], "granularity='bogus'"),
     # The cases that used to be a traceback, a misleading line, or nothing.
