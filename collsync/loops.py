@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from collsync.flat import FlatModel
 from collsync.lost import LOST_POLL_S, close_serving, lose_silent, stuck_message
 from collsync.policy import SyncPolicy
-from collsync.runtime import Collective, Mailbox, Partial, PartialResult, ServingMailbox
+from collsync.runtime import Collective, Partial, PartialResult, ServingMailbox, WorkerMailbox
 from collsync.server import Server
 from collsync.specsync import Aborted
 from collsync.types import Arrival, Flat, Stamp
@@ -126,7 +126,7 @@ class Worker:
         return Arrival(self.rank, self.version, grad if push else None, self.clock)
 
 
-def pull(worker: Worker, mailbox: Mailbox, params: Flat) -> Stamp:
+def pull(worker: Worker, mailbox: WorkerMailbox, params: Flat) -> Stamp:
     """One worker's read: wait until the policy lets it start, copy the parameters into `params` (unless B-FASGD
     skips this fetch) and begin the next gradient. A `done` stamp means training is over (`params` untouched)."""
     fetch = worker.will_fetch()
@@ -136,13 +136,13 @@ def pull(worker: Worker, mailbox: Mailbox, params: Flat) -> Stamp:
     return stamp
 
 
-def push(worker: Worker, mailbox: Mailbox, grad: Flat) -> None:
+def push(worker: Worker, mailbox: WorkerMailbox, grad: Flat) -> None:
     """One worker's send: the gradient it computed since its last `pull`, tagged with that version and round."""
     mailbox.send(worker.arrival(grad))
 
 
 def run_worker(
-    worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat, speculator: Any = None, wait: float = 0.0
+    worker: Worker, mailbox: WorkerMailbox, grads: GradFn, params: Flat, speculator: Any = None, wait: float = 0.0
 ) -> int:
     """Pull, compute, push until the server says done. Returns the number of gradients sent. (`collsync.torch`
     runs the same `pull` and `push` around a user's own backward pass.)
@@ -168,7 +168,7 @@ def run_worker(
     return worker.steps
 
 
-def _speculative(worker: Worker, mailbox: Mailbox, grads: GradFn, params: Flat, speculator: Any) -> Flat | None:
+def _speculative(worker: Worker, mailbox: WorkerMailbox, grads: GradFn, params: Flat, speculator: Any) -> Flat | None:
     """Compute the next gradient, starting it over on fresh parameters each time a re-sync aborts it (the abort,
     with the model seconds thrown away, reported to the scheduler's rank). None: training ended meanwhile."""
     started = time.monotonic()

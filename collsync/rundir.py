@@ -108,8 +108,9 @@ def write_run(
     """Check the trace, write the run folder (trace, parameters, report) and log the summary; return it.
     `params` / `ema` are the whole model's when the server held one shard of them; `extra` goes into summary.json
     (`incomplete`: why a run was cut short)."""
+    counts: dict[str, Any]
     try:
-        counts = check_trace(trace, policy, server.workers)
+        counts = dict(check_trace(trace, policy, server.workers))
     except (AssertionError, ValueError) as exc:
         if not (extra or {}).get("incomplete"):
             raise

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: unit, simulator, CLI and collsync.torch launch tests under pytest (the latter compare
+# The whole test suite: a type check (mypy), then unit, simulator, CLI and collsync.torch launch tests under pytest (the latter compare
 # against Horovod, which scripts/setup_horovod.sh builds into .venv, about 3 minutes the first time), then the MPI
 # tests under the venv's own mpiexec (MPICH) at 1 and at 4 ranks, and under Open MPI at 4 ranks, then tests/slurm
 # against a single-node Slurm that scripts/slurm_up.sh starts (where it can: root and apt-get). Sets up .venv,
@@ -12,6 +12,9 @@ bash scripts/setup_openmpi.sh  # before the first tests: a bad-input row runs Op
 PY=.venv/bin/python
 MPIEXEC=.venv/bin/mpiexec
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+
+echo "== type check: mypy over collsync/ at the level pyproject.toml sets"
+"$PY" -m mypy
 
 echo "== unit and simulator tests (in-process, no launcher, no clock: two pytest-xdist workers, one per core)"
 "$PY" -m pytest tests/unit tests/sim -q -rs -n 2 --durations=10

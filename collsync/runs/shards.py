@@ -148,7 +148,7 @@ class ShardRun:
         if self.trace is not None:
             applies = self.trace.of("apply")
             # Each shard's own clock starts at the (collective) window creation: close enough to compare shards.
-            counts = check_trace(self.trace, sv.policy, sv.workers)
+            counts: dict[str, Any] = dict(check_trace(self.trace, sv.policy, sv.workers))
             counts["last_update_s"] = applies[-1]["t"] if applies else 0.0
             self.mine = (server.params, server.ema, server.version, counts)
 

@@ -14,11 +14,12 @@ from typing import NamedTuple, Protocol
 from collsync.types import Arrival, Flat, Stamp
 
 
-class Mailbox(Protocol):
-    """Worker side: `read` and `send`; server side: `recv`, `publish` and `close` (a server loop needs the few
-    more of `ServingMailbox`). `bytes_fetched` counts the parameter bytes this side has read so far."""
+class WorkerMailbox(Protocol):
+    """A worker's side of a `Mailbox`: `read` and `send` (all that `loops.pull`, `push` and `run_worker` use, and
+    all that a sharded worker's `ShardedMailbox` offers). `bytes_fetched` counts the parameter bytes read so far."""
 
-    bytes_fetched: int
+    @property
+    def bytes_fetched(self) -> int: ...
 
     def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
         """Block until the published stamp satisfies `ready`, then copy the published parameters into `out`
@@ -29,6 +30,11 @@ class Mailbox(Protocol):
         """Hand a gradient to the server (returns once the buffer may be reused); `arrival.grad` None sends only
         the header (a skipped B-FASGD push)."""
         ...
+
+
+class Mailbox(WorkerMailbox, Protocol):
+    """Both sides: a worker's `read` and `send`; the server's `recv`, `publish` and `close` (a server loop needs the
+    few more of `ServingMailbox`)."""
 
     def recv(self, timeout: float | None = None) -> Arrival | None:
         """The next gradient, or None if none came within `timeout` seconds."""

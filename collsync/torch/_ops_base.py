@@ -143,7 +143,7 @@ def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     if factor == 1.0:
         return tensor
     if tensor.dtype in HALVES:
-        return tensor.copy_((tensor.to(torch.float32) * np.float32(factor)).to(tensor.dtype))
+        return tensor.copy_((tensor.to(torch.float32) * float(np.float32(factor))).to(tensor.dtype))
     if not tensor.dtype.is_floating_point:
         return tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
     return tensor.mul_(factor)

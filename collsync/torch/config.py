@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -67,7 +67,7 @@ class SyncConfig:
 def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """`conf/<group>/<name>.yaml` with `options` set (each must be one of its keys) and `extra` filled where the file
     has the key: a plain dict with `_target_`, picklable, so a server rank can build the same object."""
-    from omegaconf import OmegaConf  # lazily, as Hydra: only where a mode is built from its YAML file
+    from omegaconf import DictConfig, OmegaConf  # lazily, as Hydra: only where a mode is built from its YAML file
 
     path = files("collsync.conf").joinpath(group, f"{name}.yaml")
     if not path.is_file():
@@ -76,6 +76,7 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
         )
         raise ValueError(f"{group}={name!r} is not one of {', '.join(known)}")
     node = OmegaConf.load(str(path))
+    assert isinstance(node, DictConfig)  # every option's file is a mapping
     node.pop("defaults", None)  # a sync mode's default optimizer (conf/sync/async.yaml) is for collsync-train
     for key, value in options.items():
         if key not in node or key.startswith("_"):
@@ -86,7 +87,9 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
         if key in node:
             node[key] = value
     # An interpolation left (gap_aware's ${oc.select:optimizer.lr,0.1}) resolves to its default: no root here.
-    return OmegaConf.to_container(OmegaConf.create({"node": node}), resolve=True)["node"]  # type: ignore[index]
+    resolved = OmegaConf.to_container(OmegaConf.create({"node": node}), resolve=True)
+    assert isinstance(resolved, dict)
+    return resolved["node"]
 
 
 def build(node: dict[str, Any] | None) -> Any:
@@ -119,7 +122,7 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     """
     if isinstance(sync, SyncConfig):
         return merge(sync, options) if options else sync
-    named = dict(options)  # before the pops: every option as the caller gave it
+    named: dict[str, Any] | None = dict(options)  # before the pops: every option as the caller gave it
     penalty = options.pop("penalty", None)
     penalty_options = options.pop("penalty_options", None) or {}
     servers = options.pop("servers", None)
@@ -194,14 +197,14 @@ def from_config(cfg: Any) -> SyncConfig:
     from omegaconf import OmegaConf  # lazily, as Hydra (see `build`)
 
     def node(group: str) -> dict[str, Any]:
-        return OmegaConf.to_container(cfg[group], resolve=True)  # type: ignore[return-value]
+        return cast(dict[str, Any], OmegaConf.to_container(cfg[group], resolve=True))  # a group: a mapping
 
     policy = build(node("sync"))
     runtime = build(node("runtime"))
     serverless = runtime.kind in ("allreduce", "partial", "sim") and policy.name in ("bsp", "backup")
     servers = 0 if serverless else runtime.servers
-    penalty = node("penalty")
-    penalty = None if penalty.get("_target_") == "collsync.rules.identity" else penalty
+    given = node("penalty")
+    penalty = None if given.get("_target_") == "collsync.rules.identity" else given
     return SyncConfig(policy, penalty, servers, "mpi", runtime.depth, node("optimizer"))
 
 
