@@ -52,13 +52,7 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
         elif ev == "drop":
             settled[(e["worker"], e["clock"], e["version"])] += 1
         elif ev == "start":
-            if policy.rounds and e["clock"] - e["version"] > (policy.max_lead or 0):
-                errors.append(
-                    f"worker {e['worker']} started round {e['clock']} on version {e['version']}: lead too large"
-                )
-            gone = aborted.pop(e["worker"], None)
-            if gone is not None and not e["version"] > gone["version"]:
-                errors.append(f"worker {e['worker']} restarted on version {e['version']} after an abort on it: {gone}")
+            errors.extend(_check_start(e, policy, aborted.pop(e["worker"], None)))
             under_way[e["worker"]] = e
         elif ev == "lost":
             lost.add(e["worker"])
@@ -71,23 +65,9 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
             updates += 1
             if e["version"] != updates:
                 errors.append(f"update {updates} recorded as version {e['version']}")
-            round_ = e["version"] - 1
             for w, c, s in zip(e["workers"], e["clocks"], e["staleness"], strict=True):
-                settled[(w, c, round_ - s)] += 1
-                if s < 0:
-                    errors.append(f"negative staleness {s} for worker {w} at version {e['version']}")
-            if policy.rounds:
-                if any(c != round_ for c in e["clocks"]):
-                    errors.append(f"round {round_} aggregated gradients of rounds {e['clocks']}")
-                if len(set(e["workers"])) != len(e["workers"]):
-                    errors.append(f"round {round_} took a worker twice: {e['workers']}")
-            if lost & set(e["workers"]):
-                errors.append(
-                    f"update {e['version']} took a gradient of lost worker(s) {sorted(lost & set(e['workers']))}"
-                )
-            count = len(e["workers"])
-            if not least <= count <= full:
-                errors.append(f"update {e['version']} aggregated {count} gradients, not in [{least}, {full}]")
+                settled[(w, c, e["version"] - 1 - s)] += 1
+            errors.extend(_check_apply(e, policy, lost, least, full))
     for key in pushed.keys() | settled.keys():
         if pushed[key] != settled[key]:
             w, c, v = key
@@ -103,6 +83,38 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
         "dropped": sum(1 for e in events if e["ev"] == "drop"),
         "updates": updates,
     }
+
+
+def _check_start(e: Event, policy: SyncPolicy, aborted: Event | None) -> list[str]:
+    """A worker's start: within the policy's lead, and on a newer version than the one it aborted (if it did)."""
+    errors = []
+    if policy.rounds and e["clock"] - e["version"] > (policy.max_lead or 0):
+        errors.append(f"worker {e['worker']} started round {e['clock']} on version {e['version']}: lead too large")
+    if aborted is not None and not e["version"] > aborted["version"]:
+        errors.append(f"worker {e['worker']} restarted on version {e['version']} after an abort on it: {aborted}")
+    return errors
+
+
+def _check_apply(e: Event, policy: SyncPolicy, lost: set[int], least: int, full: int) -> list[str]:
+    """An update: staleness >= 0; under rounds, one round's gradients, each worker once; no lost worker's gradient;
+    between `least` and `full` gradients."""
+    errors = [
+        f"negative staleness {s} for worker {w} at version {e['version']}"
+        for w, s in zip(e["workers"], e["staleness"], strict=True)
+        if s < 0
+    ]
+    round_ = e["version"] - 1
+    if policy.rounds:
+        if any(c != round_ for c in e["clocks"]):
+            errors.append(f"round {round_} aggregated gradients of rounds {e['clocks']}")
+        if len(set(e["workers"])) != len(e["workers"]):
+            errors.append(f"round {round_} took a worker twice: {e['workers']}")
+    if lost & set(e["workers"]):
+        errors.append(f"update {e['version']} took a gradient of lost worker(s) {sorted(lost & set(e['workers']))}")
+    count = len(e["workers"])
+    if not least <= count <= full:
+        errors.append(f"update {e['version']} aggregated {count} gradients, not in [{least}, {full}]")
+    return errors
 
 
 def _check_abort(e: Event, start: Event | None, speculates: bool, workers: int) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from collsync.flat import FlatModel
-from collsync.lost import LOST_POLL_S, close_serving, lose_silent, stuck_message
+from collsync.lost import LOST_POLL_S, close_serving, lose_silent, stuck_message, until_silent
 from collsync.policy import SyncPolicy
 from collsync.runtime import Collective, Partial, PartialResult, ServingMailbox, WorkerMailbox
 from collsync.server import Server
@@ -198,6 +198,11 @@ _LEFT_POLL_S = 0.02
 _BETWEEN_POLL_S = 0.25
 
 
+def _shorter(wait: float | None, bound: float | None) -> float | None:
+    """The shorter of two waits, None being no bound."""
+    return wait if bound is None else bound if wait is None else min(wait, bound)
+
+
 def run_server(
     server: Server,
     mailbox: ServingMailbox,
@@ -234,25 +239,17 @@ def run_server(
     mailbox.publish(server.view(), server.stamp())
     flush_at: float | None = None
     last = time.monotonic()  # the last time anything arrived (the deadline counts from it)
-    looked = last
+    looked = looked_lost = last
     heard = [last] * server.workers  # the last time each worker sent anything
-    looked_lost = last
     while not server.done:
-        fires = server.arm(time.monotonic())
-        if fires is not None:
-            flush_at = fires
+        fires = server.arm(time.monotonic())  # a collection timeout armed now, else the one running (if any)
+        flush_at = fires if fires is not None else flush_at
         wait = policy.deadline if flush_at is None else max(0.0, flush_at - time.monotonic())
         if wait is not None and policy.deadline is not None:
-            # Wake up when the quietest live worker would reach the deadline (it may be lost then).
-            quiet = min((heard[w] for w in range(server.workers) if w not in server.lost), default=last)
-            wait = min(wait, max(LOST_POLL_S, quiet + policy.deadline - time.monotonic()))
-        if until_left:
-            wait = _LEFT_POLL_S if wait is None else min(wait, _LEFT_POLL_S)
-        if between is not None:
-            wait = _BETWEEN_POLL_S if wait is None else min(wait, _BETWEEN_POLL_S)
-        if poll is not None:
-            again = max(0.0, poll() - time.monotonic())
-            wait = again if wait is None else min(wait, again)
+            wait = min(wait, until_silent(server, heard, last))  # the quietest live worker may be lost then
+        wait = _shorter(wait, _LEFT_POLL_S if until_left else None)
+        wait = _shorter(wait, _BETWEEN_POLL_S if between is not None else None)
+        wait = _shorter(wait, max(0.0, poll() - time.monotonic()) if poll is not None else None)
         arrival = mailbox.recv(timeout=wait)
         now = time.monotonic()
         before = server.version

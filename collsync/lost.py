@@ -5,6 +5,7 @@ waited for. `loops.run_server` drives these; they read nothing but the server an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from collsync.runtime import ServingMailbox
@@ -19,6 +20,15 @@ def _owes(server: Server, worker: int) -> bool:
     """Whether the update under way waits on `worker`: none of its gradients is buffered. (One that is waits on
     the server: at BSP's barrier, or SSP's bound.)"""
     return not any(a.worker == worker for batch in server.pending.values() for a in batch)
+
+
+def until_silent(server: Server, heard: list[float], last: float) -> float:
+    """Seconds until the quietest live worker (the one heard from longest ago, `heard`; `last` if none is live)
+    reaches the deadline, never under `LOST_POLL_S`: when the server must wake up to look for lost workers."""
+    deadline = server.policy.deadline
+    assert deadline is not None
+    quiet = min((heard[w] for w in range(server.workers) if w not in server.lost), default=last)
+    return max(LOST_POLL_S, quiet + deadline - time.monotonic())
 
 
 def lose_silent(server: Server, mailbox: ServingMailbox, heard: list[float], now: float) -> bool:

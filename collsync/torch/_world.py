@@ -106,9 +106,7 @@ def init(
     world = _world_comm(MPI, comm)
     config = sync_config(sync) if sync is not None else None
     servers = _servers(servers, config, world.Get_size())
-    backend = backend or (config.backend if config is not None else None) or "mpi"
-    if backend not in ("mpi", "horovod"):
-        raise ValueError(f"collsync.torch.init: backend={backend!r} must be 'mpi' or 'horovod'")
+    backend = _backend(backend, config)
     if deadline is None:
         deadline = config.policy.deadline if config is not None else DEADLINE
     _install_excepthook()
@@ -161,6 +159,14 @@ def _world_comm(MPI: Any, comm: Any) -> Any:  # noqa: N803 - the module's own na
     if comm is None:
         check_world_size(launcher_size(), world.Get_size())
     return world
+
+
+def _backend(backend: str | None, config: SyncConfig | None) -> str:
+    """`init`'s backend: the one given, else the sync mode's, else "mpi"."""
+    backend = backend or (config.backend if config is not None else None) or "mpi"
+    if backend not in ("mpi", "horovod"):
+        raise ValueError(f"collsync.torch.init: backend={backend!r} must be 'mpi' or 'horovod'")
+    return backend
 
 
 def _servers(servers: int | None, config: SyncConfig | None, size: int) -> int:
