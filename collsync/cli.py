@@ -5,6 +5,10 @@ option, an override that does not parse), the schema's (`collsync.schema`: a val
 factories' (a value out of range), the data files', the run folder's, and those of a launch that cannot work.
 Under MPI the line names the rank, is printed once (by rank 0 when every rank meets the same error) and the whole
 world is aborted rather than left hanging. Anything else is a bug and keeps its traceback.
+
+collsync's own modules, and mpi4py, are imported inside the functions that use them: `--version` answers without
+loading torch, and under a launcher MPI is initialised in `_check_world`, before the stop-signal handlers go in
+(a rank held inside MPI_Init would never run them) and before torch loads.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
@@ -157,8 +162,6 @@ def _fail(message: str, code: int = 2, what: str = "error") -> None:
     if not launched_under_mpi():
         print(f"collsync-train: {what + ': ' if what else ''}{message}", file=sys.stderr, flush=True)
         sys.exit(code)
-    import time
-
     from mpi4py import MPI
 
     from collsync.runtime.mpi_world import abort, rank_prefix
@@ -211,8 +214,6 @@ def _shared_run_dir() -> None:
     line and the job ends, rather than wait in this broadcast for ever."""
     if not launched_under_mpi():
         return
-    import time
-
     from mpi4py import MPI
 
     from collsync.runtime.mpi_world import RankLost, hello

@@ -11,6 +11,9 @@ import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
+import torch
+
 from collsync.checkpoint import stop_now
 from collsync.runtime.spec import SIZE_VARS, launched_under_mpi
 
@@ -96,7 +99,6 @@ def roll_call(comm: Any, window: float) -> list[int]:
     """After a bounded wait on `comm` timed out here: the ranks that are not waiting too. Each rank tells rank 0
     that it is alive (a point-to-point message, which no stopped rank can block); rank 0 collects for `window`
     seconds and answers each with the ranks that never told it; a rank that gets no answer names rank 0."""
-    import numpy as np
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -168,7 +170,6 @@ def gate(comm: Any, deadline: float | None, what: str, startup: bool = True) -> 
 def hello(comm: Any, deadline: float | None) -> list[str]:
     """The start-up exchange (collective over COMM_WORLD's ranks in `comm`): each rank's host name, kept for the
     messages that name a lost rank later; bounded by `deadline` (`RankLost`: which ranks did not arrive)."""
-    import numpy as np
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     own = np.zeros(256, dtype=np.uint8)
@@ -242,8 +243,6 @@ def threads_per_rank(own: int, total: int, node: int) -> int:
 def set_threads(comm: Any, node: int | None = None) -> int:
     """Give each rank an equal share of the node's cores for torch's intra-op threads (no oversubscription).
     `node`: the ranks on this node, if the caller counted them already (`node_size`, collective)."""
-    import torch
-
     threads = threads_per_rank(len(affinity()), os.cpu_count() or 1, node_size(comm) if node is None else node)
     torch.set_num_threads(threads)
     return threads
