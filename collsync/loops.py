@@ -269,7 +269,7 @@ def run_server(
         if until_left and (arrival is None or now - looked >= _LEFT_POLL_S):
             looked = now
             left = mailbox.departed()
-            if left and (policy.rounds or len(left) == server.workers):
+            if left and (policy.rounds or len(set(left) | set(server.lost)) == server.workers):  # every live one
                 server.stop()
         if server.version != before or server.done:
             flush_at, last = None, now

@@ -24,7 +24,8 @@ BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 class Mode(Protocol):
     """A sync mode behind `DistributedOptimizer`. The attributes with values are defaults a mode may override:
     `spec` (SpecSync's worker side), `version` (the server version the model holds), `dropped` (gradients a round
-    came too late for) and `finished` (training ended; `step()` no longer changes the model)."""
+    came too late for), `lost` (the workers the servers went on without) and `finished` (training ended; `step()`
+    no longer changes the model)."""
 
     name: str
     spec: Speculating | None = None
@@ -34,6 +35,11 @@ class Mode(Protocol):
     @property
     def version(self) -> int | None:
         return None
+
+    @property
+    def lost(self) -> list[dict[str, Any]]:
+        """The workers lost (server modes, once closed: `rank`, `world_rank`, `host`, `last_update`); [] else."""
+        return []
 
     def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
         """One optimizer step: synchronise (when `sync`), then `base(closure)` (the user's optimizer) or the

@@ -1,5 +1,6 @@
 """The server ranks of `collsync.torch`: they wait inside `init()` for the workers' optimizer, serve its shards on
-MPI windows until the workers leave, and exit; the user's script never runs past `init()` on them.
+MPI windows until the workers leave, and exit (without `MPI_Finalize` once a worker was lost); the user's script
+never runs past `init()` on them.
 
 Worker 0 sends each server a job (`Job`: the initial flat parameters, the policy, the rule and penalty as config
 nodes, the number of workers) when a `DistributedOptimizer` in a server mode is built; the windows are then opened
@@ -26,7 +27,9 @@ parameters and rule states as it saves its own model.
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from collsync.torch._world import World
 
 TAG_JOB = 7301
+TAG_LOST = 7302  # server rank 0 -> each live worker at the end: the workers it lost
 
 
 @dataclass
@@ -72,18 +76,24 @@ def _wait_for(world: MPI.Comm, source: int, tag: int) -> Any:
 
 def serve_forever(st: World) -> None:
     """Serve every job worker 0 sends, then exit the process (status 0). Errors abort the world naming the rank."""
+    lost = False
     with abort_on_error(st.world, (ValueError, TimeoutError)):
         while True:
             job = _wait_for(st.world, st.servers, TAG_JOB)
             if job is None:
                 break
-            serve(st.world, st.servers, job)
+            lost = serve(st.world, st.servers, job) or lost
     sys.stdout.flush()
+    if lost:
+        # MPI_Finalize would wait for the lost worker for ever (MPICH's waits on every rank of the world).
+        sys.stderr.flush()
+        os._exit(0)
     sys.exit(0)
 
 
-def serve(world: MPI.Comm, servers: int, job: Job) -> None:
-    """Serve this rank's shard of `job` until the workers leave (collective with the workers' `ServerMode`)."""
+def serve(world: MPI.Comm, servers: int, job: Job) -> bool:
+    """Serve this rank's shard of `job` until the workers leave (collective with the workers' `ServerMode`);
+    whether this shard lost a worker."""
     penalty, optimizer = combine(build(server_penalty(job.penalty, job.rule)), build(job.rule))
 
     def server(block: slice, trace: Trace | None) -> Server:
@@ -102,8 +112,33 @@ def serve(world: MPI.Comm, servers: int, job: Job) -> None:
     run = ShardRun(world, serving)
     run.open()
     run.serve()
-    # Training is over once one worker left a round policy; worker 0 may still ask for the state meanwhile.
-    run.close()
+    assert run.server is not None and run.shards is not None
+    tell_lost(world, servers, run.server, run.shards.own.locate)
+    # Training is over once one worker left a round policy; worker 0 may still ask for the state meanwhile. A lost
+    # worker never comes to close: the windows then stay to the process's exit (freeing them is collective).
+    run.close(timeout=job.policy.deadline if run.server.lost else None)
+    return bool(run.server.lost)
+
+
+def tell_lost(world: MPI.Comm, servers: int, server: Server, locate: Callable[[int], tuple[Any, Any]]) -> None:
+    """Server rank 0, once its workers stopped: tell every live worker which workers it lost (`Server.lose`), as
+    `DistributedOptimizer.lost` lists them: worker rank, world rank, host, the last update it contributed to."""
+    if world.Get_rank() != 0:
+        return
+    lost = [
+        {"rank": w, "world_rank": servers + w, "host": locate(w)[1], "last_update": server.contributed[w]}
+        for w in server.lost
+    ]
+    # Every worker is told (one lost only as slow may still come to close); only the live ones are waited on.
+    requests = [world.isend(lost, dest=servers + w, tag=TAG_LOST) for w in range(server.workers)]
+    for w, request in enumerate(requests):
+        if w not in server.lost:
+            request.wait()
+
+
+def receive_lost(world: MPI.Comm) -> list[dict[str, Any]]:
+    """A worker, once it left: the workers server rank 0 lost (`tell_lost`); it comes once every live worker left."""
+    return list(_wait_for(world, 0, TAG_LOST))
 
 
 def send_job(world: MPI.Comm, servers: int, job: Job) -> None:

@@ -9,8 +9,12 @@ not used.
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 import warnings
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -18,7 +22,7 @@ import torch
 from collsync.loops import Worker, pull, push
 from collsync.runtime.mpi_shards import Shards
 from collsync.torch._mode import Mode, one_dtype
-from collsync.torch._world import World
+from collsync.torch._world import World, shutdown
 from collsync.torch.config import SyncConfig, server_lr, server_rule
 from collsync.torch.speculative import Speculating
 
@@ -67,6 +71,7 @@ class ServerMode(Mode):
         self.finished = False
         self.left = False
         self.closed = False
+        self._lost: list[dict[str, Any]] = []  # the workers the servers lost, as server rank 0 says at `close()`
         self.spec: Speculating | None = None
         if policy.speculation is not None:
             # SpecSync: the messages' communicator, right after the shards, as the servers make theirs.
@@ -118,6 +123,11 @@ class ServerMode(Mode):
         """The server version of the parameters the model holds (the last pull)."""
         return self.worker.version
 
+    @property
+    def lost(self) -> list[dict[str, Any]]:
+        """The workers the servers lost (`_serve.tell_lost`), once this optimizer closed."""
+        return self._lost
+
     def join(self) -> int:
         self.leave()
         return self.st.comm.Get_rank()
@@ -153,7 +163,14 @@ class ServerMode(Mode):
         if self.spec is not None:
             # The scheduler answers every worker's BYE once all came: the end marker, then its counts.
             self.spec.drain(self.deadline)
-        self.shards.close()
+        # Lazily, as in `__init__`: the server side's module.
+        from collsync.torch._serve import receive_lost
+
+        # Server rank 0 says which workers it lost once every live worker left: none of them comes to close.
+        self._lost = receive_lost(self.st.world)
+        self.shards.close(timeout=self.deadline if self._lost else None)
+        if self._lost:
+            exit_without_finalize()
         if self.spec is not None:
             self.spec.close()
 
@@ -169,3 +186,33 @@ def _shard_states(saved: dict[str, Any] | None, servers: int, name: str) -> list
     if saved.get("sync") != name:
         raise ValueError(f"server_state: saved under sync={saved.get('sync')!r}, resumed under sync={name!r}")
     return list(saved["shards"])
+
+
+_failed = False  # an exception reached the top of the script (its exit status is then 1, not 0)
+_registered = False
+
+
+def exit_without_finalize() -> None:
+    """After a worker was lost, end this process at exit without `MPI_Finalize`: MPICH's waits on every rank of
+    the world, the lost one included, for ever. The script runs to its end as usual; then `shutdown()` (the server
+    ranks are released), and the process exits 0, or 1 if an exception ended the script."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    previous = sys.excepthook
+
+    def failed(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        global _failed
+        _failed = True
+        previous(kind, exc, tb)
+
+    sys.excepthook = failed
+
+    def leave() -> None:
+        shutdown()  # nothing if the script called it (an optimizer closed by `close()` alone still has servers)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _failed else 0)
+
+    atexit.register(leave)

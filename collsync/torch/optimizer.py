@@ -152,6 +152,14 @@ class _Distributed:
         return self._collsync.dropped
 
     @property
+    def lost(self) -> list[dict[str, Any]]:
+        """Server modes: the workers the servers lost (silent for the deadline: stopped, partitioned, dead) and
+        went on without, each as `rank` (its `rank()`), `world_rank`, `host` and `last_update` (the last server
+        version its gradient was part of); known once the optimizer closed (`close()` or `shutdown()`), [] before
+        and in other modes."""
+        return list(self._collsync.lost)
+
+    @property
     def finished(self) -> bool:
         """Server modes: training ended (a worker left a round policy); `step()` no longer changes the model."""
         return self._collsync.finished
