@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from collsync.rules.fasgd import bfasgd_probability
 from collsync.specsync import Speculation
@@ -239,18 +239,9 @@ def bfasgd(
     """B-FASGD (002_... §2.3, eq. 9; with optimizer=fasgd, whose v the server publishes): ASGD whose workers push
     (fetch) at each opportunity iff r < 1 / (1 + c_push / (v + eps)) (c_fetch), r uniform in [0, 1) (`Transmit`);
     a skipped push re-applies the worker's last gradient on the server, a skipped fetch keeps the worker on the
-    parameters it has. `quorum`, `timeout` and `deadline` as in `asynchronous`.
+    parameters it has. `quorum`, `timeout` and `deadline` as in `asynchronous`, which it is under its own name.
     """
-    return SyncPolicy(
-        "bfasgd",
-        rounds=False,
-        quorum=quorum,
-        max_lead=None,
-        timeout=timeout,
-        transmit=transmit(c_push, c_fetch),
-        deadline=deadline,
-        on_lost=on_lost,
-    )
+    return replace(asynchronous(quorum, timeout, c_push, c_fetch, deadline, on_lost), name="bfasgd")
 
 
 def ssp(
