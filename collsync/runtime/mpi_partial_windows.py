@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from collsync.runtime.mpi_rma import Backoff, Windows, poll_cap
+from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
 from collsync.types import Flat
 
@@ -125,8 +125,7 @@ class PartialWindows(Windows):
         self._full_rounds = [0] * depth  # per ring entry: the full-quorum rounds that took no ticket
         self._stranded: int | None = None  # the full round whose allreduce timed out (nothing can follow it)
         self._one = np.ones(1, dtype=np.int64)
-        self._val = np.zeros(1, dtype=np.int64)
-        self._res = np.zeros(1, dtype=np.int64)
+        self._words = Words(self.win_ctrl, host)  # the control words' atomics, as the mailbox's
         self._backoff = Backoff(cap=poll_cap(comm))
 
     # -- set-up and tear-down --------------------------------------------------------------------------------------
@@ -152,35 +151,20 @@ class PartialWindows(Windows):
 
     # -- control words (atomics, each completed by a Flush) --------------------------------------------------------
     def _fetch(self, disp: int, value: int, op: Any) -> int:
-        self._val[0] = value
-        self.win_ctrl.Fetch_and_op(self._val, self._res, self.host, disp, op=op)
-        self.win_ctrl.Flush(self.host)
-        return int(self._res[0])
+        return self._words.fetch(disp, value, op)
 
     def _load(self, disp: int) -> int:
-        return self._fetch(disp, 0, self.MPI.NO_OP)
+        return self._words.load(disp)
 
     def _store(self, disp: int, value: int) -> None:
-        self._fetch(disp, value, self.MPI.REPLACE)
+        self._words.store(disp, value)
 
     def _load_many(self, disp: int, count: int) -> np.ndarray:
         """`count` words, each read atomically, in one Get_accumulate (not `count` round trips)."""
-        out = np.empty(count, dtype=np.int64)
-        target = (disp, count, self.MPI.INT64_T)
-        self.win_ctrl.Get_accumulate(
-            [np.zeros(count, dtype=np.int64), self.MPI.INT64_T],
-            [out, self.MPI.INT64_T],
-            self.host,
-            target=target,
-            op=self.MPI.NO_OP,
-        )
-        self.win_ctrl.Flush(self.host)
-        return out
+        return self._words.load_many(disp, np.empty(count, dtype=np.int64))
 
     def _store_many(self, disp: int, values: np.ndarray) -> None:
-        target = (disp, len(values), self.MPI.INT64_T)
-        self.win_ctrl.Accumulate([values, self.MPI.INT64_T], self.host, target=target, op=self.MPI.REPLACE)
-        self.win_ctrl.Flush(self.host)
+        self._words.store_many(disp, values)
 
     def _entry_at(self, round_: int) -> int:
         return (round_ % self.depth) * self._entry
