@@ -147,6 +147,51 @@ def recommend(predictions: Sequence[Prediction]) -> Prediction:
     return max(predictions, key=lambda p: (p.gradients_per_s, -p.backups))
 
 
+@dataclass
+class Margin:
+    """How long a round of backup workers waits, after its quorum-th gradient, for the others (`margin="auto"`).
+
+    000_... (§3.1) fixes b for a run: each round averages the first N = n - b gradients and drops the rest, also
+    when nobody straggles, so the same epochs apply fewer gradients (`predict` above chooses that b offline, for
+    the most applied gradients per second N / round time). Here a round takes every gradient that comes within a
+    margin m of its N-th one, and drops only later ones; m is set per round from the arrivals measured before:
+
+        m = clamp(mean_gap + 4 dev_gap,  T / N,  T)
+
+    mean_gap and dev_gap: a running mean and mean deviation (Jacobson's estimator, as TCP's retransmission timer
+    uses it: gains 1/8 and 1/4) of the time from the N-th arrival to the last, over the rounds in which all n came
+    within the margin; a round whose margin ran out with ranks missing halves the estimate instead (a rank that
+    stays slow stops costing waits; the next complete round sets it again). T: the time from the round's start to
+    the N-th arrival, as the rank that closes the round measured it (from its previous result to its arrival).
+    The bounds: a gradient that comes within T / N keeps the round's gradients per second, 000_...'s measure, at
+    least N / T ((N + 1) / (T + T / N) = N / T), so that much waiting is always worth trying; a round never more
+    than doubles for a late one. Before any complete round the margin is T (wait, and measure).
+    """
+
+    mean: float | None = None
+    dev: float = 0.0
+    estimate: float | None = None
+
+    def limit(self, elapsed: float, quorum: int) -> float:
+        """The margin in seconds for a round whose quorum-th gradient came `elapsed` s after the round began."""
+        high = max(elapsed, 0.0)
+        guess = high if self.estimate is None else self.estimate
+        return min(high, max(high / quorum, guess))
+
+    def observe(self, gap: float, complete: bool, limit: float) -> None:
+        """After a round: `gap`, seconds from its quorum-th arrival to its last one seen; `complete`, whether every
+        rank came within `limit`, the margin it had."""
+        if not complete:
+            self.estimate = limit / 2
+            return
+        if self.mean is None:
+            self.mean, self.dev = gap, gap / 2
+        else:
+            self.dev += (abs(gap - self.mean) - self.dev) / 4
+            self.mean += (gap - self.mean) / 8
+        self.estimate = self.mean + 4 * self.dev
+
+
 def format_predictions(predictions: Sequence[Prediction], clock: str | None, rounds_measured: int) -> str:
     """The table `collsync-report --choose-backups` prints, then the recommendation and how it was chosen."""
     unit = f"{clock} s" if clock else "s"

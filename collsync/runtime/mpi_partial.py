@@ -25,23 +25,35 @@ words are only touched by atomics (`Fetch_and_op`, `Get_accumulate`/`Accumulate`
 is never read half-written. One round t at rank r:
 
 1. gate: wait until every rank has read round t - depth (min read >= t - depth + 1): entry t % depth is free.
-2. ticket: `Fetch_and_op(SUM, 1)` on the entry's `tickets`; minus n per earlier round of this entry (every rank takes
-   exactly one ticket per round, and the gate orders rounds t - depth and t), it is r's arrival order in round t.
-3. ticket < quorum: Put the contribution into slot r, Flush, then posted[r] <- t. The Flush before the flag is what
-   guarantees nobody sees the flag before the data.
-4. ticket = quorum - 1 (the last counted arrival) closes the round: waits until `quorum` ranks posted round t,
-   writes the record (blocks <- 0, quorum, count, ranks), Flush, then tag <- "summing t".
-5. each contributor, on seeing "summing t", sums its block: the vector is cut into `quorum` blocks, and the i-th
+2. ticket: `Fetch_and_op(SUM, 1)` on the entry's `tickets`; minus (n + CLOSED) per earlier round of this entry (every
+   rank takes exactly one ticket per round, the closer adds CLOSED once, and the gate orders rounds t - depth and
+   t), it is r's arrival order in round t, plus CLOSED if the round was closed before it.
+3. ticket < quorum (or, with a margin, any ticket drawn before the close): Put the contribution into slot r, Flush,
+   then posted[r] <- t. The Flush before the flag is what guarantees nobody sees the flag before the data.
+4. ticket = quorum - 1 (the quorum-th arrival) closes the round: `Fetch_and_op(SUM, CLOSED)` on `tickets` (at once,
+   or after the margin below), whose answer is how many tickets came before it (the count: `quorum` without a
+   margin); waits until that many ranks posted round t, writes the record (blocks <- 0, quorum, count, ranks),
+   Flush, then tag <- "summing t".
+5. each contributor, on seeing "summing t", sums its block: the vector is cut into `count` blocks, and the i-th
    contributor (in rank order) Gets block i of every counted slot, adds them in rank order (so the bits depend
    neither on arrival order nor on the cut: each element is the same additions as one rank summing it all),
-   divides by `quorum`, Puts it into the ring, Flush, then summed[r] <- t and `blocks += 1`; whoever makes it
-   `quorum` sets tag <- t.
+   divides by `count`, Puts it into the ring, Flush, then summed[r] <- t and `blocks += 1`; whoever makes it
+   `count` sets tag <- t.
    The sum is spread over the contributors as `MPI_Allreduce`'s reduce-scatter spreads it, instead of one rank
    copying 2 * quorum vectors while the others wait.
 6. everyone reads: wait for tag = t; Get record and mean; Flush; re-read tag (a seqlock). If the tag moved, the
    entry was reused while being read: a `RuntimeError`, never a silently torn mean. Then read[r] <- t + 1.
 
 Each rank reads every round's mean exactly once and in order, so replicas that apply the means stay bit-identical.
+
+A margin (`margin=`, the same on every rank): without one, a round averages exactly the first `quorum` arrivals
+and drops the n - quorum others even when they are a moment behind (000_...'s backup workers, b = n - quorum). With
+one, the quorum-th arrival waits up to `margin` seconds (a number), or up to `backups.Margin`'s limit from the
+arrivals it measured in earlier rounds ("auto"), for the others to draw tickets, then closes; every rank that drew
+a ticket before the close posts and is counted, those after it are dropped. The close is one atomic on the same
+word as the tickets, so a rank knows from its own ticket whether it counts, and membership is decided once, by the
+protocol, as without a margin: the contributors, their number (the divisor) and the mean are the same on every
+rank. Only the waiting differs between ranks' estimates, never what they read.
 
 Full quorum (`quorum` = n, what `sync=bsp` and backup b = 0 ask for): nobody can be dropped or late, so the round
 needs neither the host's slots and ring nor its control words: it is one allreduce over a duplicate of `comm`
@@ -117,13 +129,16 @@ class PartialAllreduce(PartialWindows):
     `pa(tensor, quorum=k, round=t)` contributes `tensor` to round t and returns round t's `PartialResult`;
     `pa.try_read(quorum=k, round=t)` returns it without contributing if round t is already complete (else None).
     `depth` rounds of results are kept (see the module docstring for what a rank further behind does); `timeout`
-    (seconds, None = wait for ever) bounds every wait. `free()` (collective) releases the windows.
+    (seconds, None = wait for ever) bounds every wait; `margin` (None, seconds, or "auto") is how long a round waits
+    after its quorum-th arrival for the others (module docstring), and a result's `quorum` is then the number of
+    contributions averaged. `free()` (collective) releases the windows.
     """
 
     # -- one round -------------------------------------------------------------------------------------------------
     def __call__(self, tensor: Flat, quorum: int, round: int, *, out: Flat | None = None) -> PartialResult:
         """Contribute `tensor` to round `round`; return the round's mean (first `quorum` contributions, rank order).
         The mean is a new tensor, or `out` (numel elements of the dtype, not `tensor`) overwritten: no allocation."""
+        arrived_at = time.monotonic()
         self._check_not_stranded()
         check_call(self.numel, self.size, self.round, round, quorum, tensor)
         if out is not None:  # checked before the round starts: a ticket taken cannot be given back
@@ -133,12 +148,12 @@ class PartialAllreduce(PartialWindows):
         self._publish_read()
         data = tensor.detach().to(self.dtype).contiguous()
         self._gate(round)
-        index = self._ticket(round)
-        if index >= quorum:
+        index, closed = self._ticket(round)
+        if index >= quorum and (self.margin is None or closed):
             return self._collect(quorum, round, None, out)
         self._post(data, round)
         if index == quorum - 1:
-            self._close(quorum, round)
+            self._close(quorum, round, arrived_at - self._began)
         return self._collect(quorum, round, data, out)
 
     def try_read(self, quorum: int, round: int) -> PartialResult | None:
@@ -148,8 +163,8 @@ class PartialAllreduce(PartialWindows):
         if tag_state(self._load(self._entry_at(round) + 1), round) != READY:
             return None
         # A complete round passed its gate, so the ticket arithmetic holds without waiting here.
-        index = self._ticket(round)
-        if index < quorum:
+        index, closed = self._ticket(round)
+        if index < quorum or not closed:
             raise RuntimeError(
                 f"{self._who}: partial allreduce: round {round} was complete but this rank drew arrival {index} < "
                 f"{quorum=}: ranks disagree on the quorum of round {round}"
@@ -163,37 +178,68 @@ class PartialAllreduce(PartialWindows):
         self.win_slots.Flush(self.host)
         self._store(self._posted + self.rank, round_)
 
-    def _close(self, quorum: int, round_: int) -> None:
-        """Step 4 (the last counted arrival): once `quorum` ranks posted, record who they are; tag 'summing'."""
+    def _close(self, quorum: int, round_: int, elapsed: float) -> None:
+        """Step 4 (the quorum-th arrival, `elapsed` s into its round): close the round's tickets (after the margin,
+        if any); once every rank that drew one before the close posted, record who they are; tag 'summing'."""
+        count = quorum
+        if self.margin is None:
+            self._close_tickets(round_)
+        else:
+            count = self._extend(quorum, round_, elapsed)
         ranks = self._poll(
-            lambda: _posted_for(self._load_many(self._posted, self.size), round_, quorum),
+            lambda: _posted_for(self._load_many(self._posted, self.size), round_, count),
             lambda: (
-                f"round {round_} combines, but fewer than {quorum=} ranks have posted their data" + self._late(round_)
+                f"round {round_} combines, but fewer than {count} ranks have posted their data" + self._late(round_)
             ),
         )
         entry = self._entry_at(round_)
         record = np.full(3 + self.size, -1, dtype=np.int64)
-        record[0], record[1], record[2], record[3 : 3 + quorum] = 0, quorum, quorum, ranks
+        record[0], record[1], record[2], record[3 : 3 + count] = 0, quorum, count, ranks
         self._store_many(entry + 2, record)  # blocks <- 0 (the entry's last round is read by all: the gate)
         self._store(entry + 1, writing_tag(round_))
+
+    def _extend(self, quorum: int, round_: int, elapsed: float) -> int:
+        """Step 4 with a margin: wait up to it (`Margin.limit` for "auto") for the ranks that have not drawn a
+        ticket, close, and return how many drew one before the close (all of them count)."""
+        margin, auto = self.margin, False
+        if isinstance(margin, (int, float)):
+            limit = float(margin)
+        else:  # "auto" (None never comes here: it closes at once)
+            limit, auto = self._margin.limit(elapsed, quorum), True
+        start = last = time.monotonic()
+        seen, backoff = quorum, self._backoff
+        backoff.reset()
+        while True:
+            arrived = self._arrived(round_)
+            now = time.monotonic()
+            if arrived > seen:
+                seen, last = arrived, now
+            if seen >= self.size or now - start >= limit:
+                break
+            backoff.wait()
+        count = self._close_tickets(round_)
+        if auto:
+            self._margin.observe(last - start, count == self.size, limit)
+        return count
 
     def _sum_block(self, own: Flat, round_: int) -> None:
         """Step 5: sum this contributor's block of the counted slots in rank order, Put it, count it; the last block
         done makes the round complete."""
         entry = self._entry_at(round_)
         record = self._load_many(entry + 3, 2 + self.size)
-        quorum, ranks = int(record[0]), [int(r) for r in record[2 : 2 + int(record[1])]]
+        count = int(record[1])  # the quorum, or more with a margin
+        ranks = [int(r) for r in record[2 : 2 + count]]
         if self.rank not in ranks:
             raise RuntimeError(
                 f"{self._who}: partial allreduce: this rank posted round {round_} but is not among its "
                 f"contributors {ranks}: ranks disagree on the quorum"
             )
-        lo, hi = block(ranks.index(self.rank), quorum, self.numel)
+        lo, hi = block(ranks.index(self.rank), count, self.numel)
         width = hi - lo
         if width:
-            if self._parts is None or self._parts.numel() < quorum * width:
-                self._parts = torch.empty(quorum * width, dtype=self.dtype)
-            parts = self._parts[: quorum * width].view(quorum, width)
+            if self._parts is None or self._parts.numel() < count * width:
+                self._parts = torch.empty(count * width, dtype=self.dtype)
+            parts = self._parts[: count * width].view(count, width)
             for i, r in enumerate(ranks):  # every Get first, one Flush for all
                 if r != self.rank:
                     target = (r * self.numel + lo, width, self._mpi_t)
@@ -201,14 +247,14 @@ class PartialAllreduce(PartialWindows):
             self.win_slots.Flush(self.host)
             parts[ranks.index(self.rank)].copy_(own[lo:hi])
             mean = parts[0]  # the same additions, in the same order, as one rank summing the whole vector
-            for i in range(1, quorum):
+            for i in range(1, count):
                 mean.add_(parts[i])
-            mean.div_(quorum)
+            mean.div_(count)
             target = ((round_ % self.depth) * self.numel + lo, width, self._mpi_t)
             self.win_ring.Put([mean.numpy(), self._mpi_t], self.host, target=target)
             self.win_ring.Flush(self.host)
         self._store(self._summed + self.rank, round_)
-        if self._fetch(entry + 2, 1, self.MPI.SUM) == quorum - 1:
+        if self._fetch(entry + 2, 1, self.MPI.SUM) == count - 1:
             self._store(entry + 1, round_)
 
     def _full(self, tensor: Flat, round_: int, out: Flat | None) -> PartialResult:
@@ -235,6 +281,7 @@ class PartialAllreduce(PartialWindows):
         self._full_rounds[round_ % self.depth] += 1
         self._floor = max(self._floor, round_)  # every rank entered round_, so every rank had read round_ - 1
         self.round = round_ + 1
+        self._began = time.monotonic()
         return PartialResult(mean, round_, self.size, list(range(self.size)), [])
 
     def _roll_call(self, round_: int) -> str:
@@ -284,9 +331,9 @@ class PartialAllreduce(PartialWindows):
         def describe() -> str:
             state = tag_state(self._load(tag), round_)
             if state == SUMMING:
-                done = self._load(entry + 2)
-                return f"round {round_} is being summed: {done} of {quorum} blocks done" + self._unsummed(round_)
-            arrived = self._arrival(self._load(entry), round_)
+                done, count = self._load(entry + 2), self._load(entry + 4)
+                return f"round {round_} is being summed: {done} of {count} blocks done" + self._unsummed(round_)
+            arrived = self._arrived(round_)
             return f"round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks arrived, {quorum=}" + self._late(
                 round_
             )
@@ -307,7 +354,8 @@ class PartialAllreduce(PartialWindows):
         contributors, dropped = split([int(r) for r in record[2 : 2 + int(record[1])]], self.size)
         self._store(self._read + self.rank, round_ + 1)
         self._stored_read = self.round = round_ + 1
-        return PartialResult(mean, round_, quorum, contributors, dropped)
+        self._began = time.monotonic()
+        return PartialResult(mean, round_, len(contributors), contributors, dropped)
 
     def _collect_ready(self, tag: int, round_: int) -> bool | None:
         """After summing a block: the round may be complete already (this was its last block)."""

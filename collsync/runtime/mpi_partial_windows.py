@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from collsync.backups import Margin
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
 from collsync.types import Flat
@@ -22,6 +23,10 @@ T = TypeVar("T")
 
 _EMPTY = -1  # the tag of a ring entry no round has used yet
 _ENTRY_HEAD = 5  # tickets, tag, blocks, quorum, count (then ranks[n])
+# Added to an entry's ticket counter by the rank that closes a round (once per round with tickets): a ticket drawn
+# after it carries it, so that rank knows it came after the close. Far above any world size, far below int64's
+# range over any run (2**63 / 2**24 rounds per entry).
+CLOSED = 1 << 24
 
 PENDING, SUMMING, READY, OVERWRITTEN = "pending", "summing", "ready", "overwritten"
 
@@ -59,6 +64,12 @@ def arrival_index(ticket: int, round_: int, depth: int, size: int) -> int:
     return ticket - (round_ // depth) * size
 
 
+def arrival_state(value: int) -> tuple[int, bool]:
+    """(arrival order, whether the round was closed before it) from a ticket relative to its round (the cumulative
+    counter less the entry's earlier rounds, each of which took `size` tickets and one `CLOSED`)."""
+    return (value - CLOSED, True) if value >= CLOSED else (value, False)
+
+
 def split(contributors: Sequence[int], size: int) -> tuple[list[int], list[int]]:
     """(contributors sorted, every other rank of 0..size-1 sorted): the lists every rank reports for a round."""
     counted = sorted(contributors)
@@ -69,6 +80,14 @@ def split(contributors: Sequence[int], size: int) -> tuple[list[int], list[int]]
 def lagging(read: Sequence[int], round_: int, depth: int) -> list[int]:
     """Ranks that have not read round `round_ - depth` yet, so `round_` may not reuse its ring entry."""
     return [r for r, n in enumerate(read) if n < round_ - depth + 1]
+
+
+def check_margin(margin: float | str | None) -> None:
+    """None (close at the quorum), "auto" (a margin from the measured arrivals) or a positive number of seconds."""
+    if margin is None or margin == "auto":
+        return
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
+        raise ValueError(f"partial allreduce: margin={margin!r} must be None, 'auto' or a number of seconds > 0")
 
 
 def check_call(numel: int, size: int, expected_round: int, got: int, quorum: int, tensor: Flat | None) -> None:
@@ -94,11 +113,13 @@ class PartialWindows(Windows):
         depth: int = 8,
         host: int = 0,
         timeout: float | None = None,
+        margin: float | str | None = None,
     ) -> None:
         from mpi4py import MPI  # lazily: collsync's modules import without an MPI library
 
         size, rank = comm.Get_size(), comm.Get_rank()
         _check_args(numel, dtype, depth, host, size, timeout)
+        check_margin(margin)
         if timeout is not None:
             # Window creation and Dup wait for every rank and cannot be bounded themselves: once every rank has
             # passed this gate they complete; a rank that never comes is named within `timeout`.
@@ -107,6 +128,9 @@ class PartialWindows(Windows):
         self.numel, self.dtype, self.depth, self.host, self.timeout = numel, dtype, depth, host, timeout
         self.size, self.rank = size, rank
         self.round = 0  # the next round this rank reads
+        self.margin = margin
+        self._margin = Margin()  # the adaptive margin's running estimate (rounds this rank closes)
+        self._began = time.monotonic()  # when this rank's current round began for it (its last result returned)
         self._parts: Flat | None = None  # a contributor's block of each counted slot (see `_sum_block`), kept
         self._who = rank_prefix(comm)
         self._hosts: list[str] = comm.allgather(socket.gethostname())  # so a timeout names a late rank's host
@@ -169,13 +193,25 @@ class PartialWindows(Windows):
     def _entry_at(self, round_: int) -> int:
         return (round_ % self.depth) * self._entry
 
-    def _ticket(self, round_: int) -> int:
-        """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per round)."""
-        return self._arrival(self._fetch(self._entry_at(round_), 1, self.MPI.SUM), round_)
+    def _ticket(self, round_: int) -> tuple[int, bool]:
+        """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per round), and whether
+        the round was closed before it."""
+        return arrival_state(self._arrival(self._fetch(self._entry_at(round_), 1, self.MPI.SUM), round_))
+
+    def _close_tickets(self, round_: int) -> int:
+        """Step 4's close: add `CLOSED` to the round's ticket counter; how many tickets were drawn before it."""
+        return arrival_state(self._arrival(self._fetch(self._entry_at(round_), CLOSED, self.MPI.SUM), round_))[0]
+
+    def _arrived(self, round_: int) -> int:
+        """How many ranks have drawn a ticket in `round_` so far."""
+        return arrival_state(self._arrival(self._load(self._entry_at(round_)), round_))[0]
 
     def _arrival(self, ticket: int, round_: int) -> int:
-        """`arrival_index`, counting the entry's full rounds (which took no tickets) as never having used it."""
-        return arrival_index(ticket + self._full_rounds[round_ % self.depth] * self.size, round_, self.depth, self.size)
+        """`arrival_index`, counting the entry's full rounds (which took no tickets) as never having used it and
+        taking off the `CLOSED` of each earlier round that did: `arrival_state` reads the result."""
+        full = self._full_rounds[round_ % self.depth]
+        closed = (round_ // self.depth - full) * CLOSED
+        return arrival_index(ticket + full * self.size, round_, self.depth, self.size) - closed
 
     def _publish_read(self) -> None:
         """Bring read[rank] up to date after full rounds, before this rank's partial call can wait on anyone."""

@@ -238,3 +238,90 @@ def test_free_is_idempotent(comm):
         assert torch.equal(pa(torch.ones(3), comm.Get_size(), 0).mean, torch.ones(3))
         pa.free()
     pa.free()
+
+
+def test_a_margin_counts_every_rank_that_comes_within_it(comm):
+    """margin=seconds: a round waits that long after its quorum-th arrival, so ranks a moment behind are counted
+    (all n, the divisor n), and only a rank later than the margin is dropped; the lists and means agree everywhere."""
+    n, rank, numel, rounds = comm.Get_size(), comm.Get_rank(), 9, 30
+    if n < 2:
+        pytest.skip("a margin needs a quorum below n >= 2")
+    slow, quorum = n - 1, n - 1
+    rng = random.Random(rank)
+    seen = []
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, margin=1.0) as pa:
+        for t in range(rounds):
+            time.sleep(rng.random() * 2e-3)  # the jitter of ranks nobody would call stragglers
+            if t == rounds // 2:
+                pa.margin = 0.05  # any margin, the same on every rank
+            if rank == slow and t == rounds // 2:
+                time.sleep(0.5)
+            result = pa.try_read(quorum, t) or pa(_contribution(rank, t, numel), quorum, t)
+            assert torch.equal(result.mean, _expected(result, numel))
+            assert result.quorum == len(result.contributors) >= quorum
+            seen.append((result.contributors, result.mean.numpy().tobytes()))
+    assert _same_everywhere(comm, repr(seen).encode())
+    counted = [c for c, _ in seen]
+    assert counted[: rounds // 2] == [list(range(n))] * (rounds // 2)  # nobody late by a second: nobody dropped
+    assert slow not in counted[rounds // 2]  # 0.5 s late against a margin of 0.05 s
+    assert all(set(range(n - 1)) <= set(c) for c in counted)  # the others were never late
+
+
+def _rounds_dropped(comm, sleeps: list[float], rounds: int) -> tuple[list[int], int]:
+    """Each rank sleeps `sleeps[rank]` s (its compute) before each round of a margin="auto" partial allreduce of
+    quorum n - 1; returns how many of each rank's contributions were dropped, after checking every result."""
+    n, rank, numel = comm.Get_size(), comm.Get_rank(), 5
+    digest, dropped = 0, 0
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=4, margin="auto") as pa:
+        for t in range(rounds):
+            time.sleep(sleeps[rank])
+            result = pa.try_read(n - 1, t) or pa(_contribution(rank, t, numel), n - 1, t)
+            assert torch.equal(result.mean, _expected(result, numel))
+            dropped += rank in result.dropped
+            digest = zlib.crc32(repr(result.contributors).encode() + result.mean.numpy().tobytes(), digest)
+    assert _same_everywhere(comm, str(digest).encode())
+    return comm.allgather(dropped), rounds
+
+
+def test_auto_margin_drops_almost_nothing_without_stragglers(comm):
+    n = comm.Get_size()
+    if n < 2:
+        pytest.skip("a margin needs a quorum below n >= 2")
+    dropped, rounds = _rounds_dropped(comm, [0.01] * n, 100)
+    # Fixed b = 1 drops one gradient in every round: 100 here.
+    assert sum(dropped) <= 0.05 * rounds, dropped
+
+
+def test_auto_margin_drops_a_slow_ranks_gradients(comm):
+    n = comm.Get_size()
+    if n < 2:
+        pytest.skip("needs a slow rank beside a quorum of others")
+    dropped, rounds = _rounds_dropped(comm, [0.01] * (n - 1) + [0.03], 60)
+    assert dropped[:-1] == [0] * (n - 1) and dropped[-1] >= 0.8 * rounds, dropped
+
+
+def test_stress_with_auto_margin_every_contribution_counted_or_dropped_once(comm):
+    n, rank, numel, rounds = comm.Get_size(), comm.Get_rank(), 8, 2_000
+    rng = random.Random(777 + rank)
+    fate = bytearray(rounds)  # 1 counted, 2 contributed but dropped, 3 read a complete round without contributing
+    digest, sizes = 0, []
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, margin="auto") as pa:
+        for t in range(rounds):
+            k = max(1, n - 1) if t % 4 else 1 + t % n
+            if rng.random() < 0.05:
+                time.sleep(rng.random() * 2e-3)
+            result = pa.try_read(k, t) if rng.random() < 0.3 else None
+            if result is not None:
+                fate[t] = 3
+            else:
+                result = pa(_contribution(rank, t, numel), quorum=k, round=t)
+                fate[t] = 1 if rank in result.contributors else 2
+            assert len(result.contributors) == result.quorum >= k and len(set(result.contributors)) == result.quorum
+            sizes.append(result.quorum)
+            assert torch.equal(result.mean, _expected(result, numel))
+            digest = zlib.crc32(repr(result.contributors).encode() + result.mean.numpy().tobytes(), digest)
+    fates = comm.allgather(bytes(fate))
+    assert _same_everywhere(comm, str(digest).encode())
+    assert all(len(f) == rounds and 0 not in f for f in fates)  # every rank settled every round
+    # Every rank the round counted says it was counted, and no other: membership was decided once.
+    assert [sum(f[t] == 1 for f in fates) for t in range(rounds)] == sizes

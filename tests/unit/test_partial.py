@@ -6,20 +6,24 @@ import numpy as np
 import pytest
 import torch
 
+from collsync.backups import Margin
 from collsync.checks import check_trace
 from collsync.loops import apply_result, check_policy, run_partial
 from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rules import sgd
 from collsync.runtime.mpi_partial import PartialResult
 from collsync.runtime.mpi_partial_windows import (
+    CLOSED,
     OVERWRITTEN,
     PENDING,
     READY,
     SUMMING,
     _posted_for,
     arrival_index,
+    arrival_state,
     block,
     check_call,
+    check_margin,
     lagging,
     split,
     tag_state,
@@ -54,6 +58,43 @@ def test_arrival_index_subtracts_the_earlier_rounds_of_the_entry():
     assert arrival_index(8, 7, 3, 4) == 0
     assert arrival_index(11, 7, 3, 4) == 3
     assert arrival_index(0, 2, 3, 4) == 0
+
+
+def test_arrival_state_tells_a_ticket_drawn_after_the_close():
+    assert arrival_state(2) == (2, False)
+    assert arrival_state(CLOSED + 3) == (3, True)  # the fourth ticket, drawn once the round was closed
+    assert arrival_state(CLOSED) == (0, True)
+
+
+@pytest.mark.parametrize("margin", [0, -1.0, "soon", True, [1.0]])
+def test_check_margin_names_a_bad_value(margin):
+    with pytest.raises(ValueError, match="margin=.* must be None, 'auto' or a number of seconds > 0"):
+        check_margin(margin)
+
+
+def test_margin_waits_the_round_so_far_until_it_has_measured():
+    margin = Margin()
+    assert margin.limit(0.02, 3) == 0.02  # nothing measured yet: wait up to T, and measure
+    for _ in range(20):
+        margin.observe(0.001, True, 0.02)  # every rank came 1 ms after the quorum-th
+    assert margin.limit(0.02, 3) == pytest.approx(0.02 / 3)  # the estimate (~1 ms) is below T / N: T / N
+    assert 0.001 <= margin.estimate < 0.002
+    assert margin.limit(1.0, 3) == pytest.approx(1.0 / 3)  # never below T / N
+    assert margin.limit(0.0005, 3) == 0.0005  # never above T
+
+
+def test_margin_follows_the_spread_and_halves_when_ranks_stay_out():
+    margin = Margin()
+    for gap in [0.010, 0.012, 0.008] * 10:
+        margin.observe(gap, True, 1.0)
+    assert margin.mean == pytest.approx(0.010, abs=0.001) and 0.010 < margin.estimate < 0.020
+    assert margin.limit(0.03, 3) == margin.estimate  # between T / N and T: the estimate itself
+    margin.observe(0.0, False, 0.05)  # the margin ran out with a rank missing
+    assert margin.estimate == 0.025
+    margin.observe(0.0, False, margin.limit(0.06, 3))
+    assert margin.estimate == pytest.approx(0.0125)
+    margin.observe(0.010, True, 0.02)  # a complete round sets it from the running estimate again
+    assert margin.estimate > 0.010
 
 
 @pytest.mark.parametrize(("numel", "parts"), [(10, 3), (3, 4), (1, 1), (1_000_003, 7), (0, 2)])
