@@ -24,13 +24,16 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
       round c only on version >= c - max_lead;
     * staleness is never negative;
     * a `lost` worker (`Server.lose`) is part of no later update, and from then on an update counts only the live
-      workers (its bounds above become at most n - lost);
+      workers (its bounds above become at most n - lost); after a `world` event (a restart on n' workers) they are
+      those of n' workers, none lost;
     * SpecSync: `abort` events only under a policy that speculates, each with `wasted` >= 0 seconds; where the trace
       has `start` events (the simulator), an abort ends that worker's gradient under way (same round and version,
       `wasted` = the time since its start) and the worker's next start is on a strictly newer version.
     """
     events = trace.events if isinstance(trace, Trace) else list(trace)
     errors: list[str] = []
+    # A run restarted on another number of workers starts with the first world's (`world` events, below).
+    workers = next((int(e["was"]) for e in events if e["ev"] == "world"), workers)
     # An update takes exactly `quorum` gradients, except where a collection timeout lets it take fewer (a stream
     # flushed early) or more (a round that waited for every worker, up to the timeout after its quorum).
     quorum, full = policy.quorum_for(workers), policy.full_for(workers)
@@ -54,6 +57,11 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
         elif ev == "start":
             errors.extend(_check_start(e, policy, aborted.pop(e["worker"], None)))
             under_way[e["worker"]] = e
+        elif ev == "world":
+            # A restart on another number of workers (`runs.resume.refit`): the bounds are the new world's.
+            workers, lost = e["workers"], set()
+            quorum, full = policy.quorum_for(workers), policy.full_for(workers)
+            least = 1 if policy.timeout is not None and not policy.rounds else quorum
         elif ev == "lost":
             lost.add(e["worker"])
             live = workers - len(lost)

@@ -27,11 +27,62 @@ def keeper(parts: Parts, out_dir: Path, disabled: str | None = None) -> Keeper:
 
 
 def rank0_keeper(launch: Launch, disabled: str | None = None) -> tuple[Keeper | None, Payload | None]:
-    """Rank 0's checkpoints and the checkpoint it resumes from (the other ranks: None, None)."""
+    """Rank 0's checkpoints and the checkpoint it resumes from (the other ranks: None, None), refitted to this
+    world's number of workers when a restart runs on fewer (or more) ranks than the run that wrote it."""
     if launch.comm.Get_rank() != 0:
         return None, None
     kept = keeper(launch.parts, launch.out_dir, disabled=disabled)
-    return kept, kept.resumed()
+    saved = kept.resumed()
+    return kept, None if saved is None else refit(saved, launch.workers)
+
+
+def refit(saved: Payload, workers: int) -> Payload:
+    """A checkpoint of n workers made to go on with `workers` = n' (a restart on the ranks left after one was lost).
+
+    What carries over is the server's: the step (version V), the parameters, EMA and every rule's state. What was
+    per worker cannot, since the workers are numbered anew: gradients buffered for round V (the update not yet
+    applied) are dropped (traced as `drop`, reason `restart`) and computed again by the new workers; each new
+    worker starts round V at batch index j = max over the old workers of the gradients they had sent for applied
+    updates (V under bsp: one batch per round), so `data.Batches` re-derives its rows with n' workers (an epoch is
+    then M // (n' b) steps). A `world` event marks the change in every shard's trace, which `check_trace` reads
+    as the new number of workers. Unchanged when n' = n."""
+    servers = [saved["server"], *(part["server"] for part in saved.get("shards", []))]
+    if len(servers[0]["received"]) == workers:
+        return saved
+    traces = [list(saved["events"]), *(list(part["events"]) for part in saved.get("shards", []))]
+    refitted = [_refit_server(s, workers, events) for s, events in zip(servers, traces, strict=True)]
+    parts = zip(saved.get("shards", []), refitted[1:], traces[1:], strict=True)
+    shards = [{**part, "server": s, "events": events} for part, s, events in parts]
+    return {**saved, "server": refitted[0], "events": traces[0], **({"shards": shards} if shards else {})}
+
+
+def _refit_server(state: Payload, workers: int, events: list[dict[str, Any]]) -> Payload:
+    """One server's (shard's) state for `workers` new workers; `events` (its trace) gets the drops and the
+    `world` event."""
+    version, was = int(state["version"]), len(state["received"])
+    t = float(events[-1]["t"]) if events else 0.0
+    pending = [a for batch in state["pending"].values() for a in batch]
+    owed = [0] * was  # per old worker: buffered gradients, counted in `received` but dropped now
+    for a in pending:
+        owed[a["worker"]] += 1
+        events.append(
+            {"t": t, "ev": "drop", "worker": a["worker"], "clock": a["clock"], "version": a["version"]}
+            | {"server": version, "reason": "restart"}
+        )
+    events.append({"t": t, "ev": "world", "version": version, "workers": workers, "was": was})
+    start = max((r - o for r, o in zip(state["received"], owed, strict=True)), default=version)
+    history = {v: view for v, view in state["history"].items() if int(v) >= version}
+    return {
+        **state,
+        "pending": {},
+        "dropped": int(state["dropped"]) + len(pending),
+        "history": history,
+        "last": {w: g for w, g in state["last"].items() if int(w) < workers},
+        "oldest": [version] * workers,
+        "received": [start] * workers,
+        "clocks": [version - 1] * workers,
+        "contributed": [version] * workers,
+    }
 
 
 def replicas_resume(
