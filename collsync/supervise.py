@@ -42,14 +42,17 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # what collsync tur
 TAIL_BYTES = 64 * 1024  # how much of the job's output is kept to read the lost ranks from
 
 # Lines that name a lost rank: collsync's own (the start-up roll call, a server waiting on a worker, a worker
-# without its server) and the launchers' reports of a process that died (Open MPI's mpirun, Slurm's srun).
+# without its server) and the launchers' reports of a process that died (Open MPI's mpirun; srun's below).
 _NAMED = (
     re.compile(r"\brank (\d+) on \S+ did not arrive"),
     re.compile(r"\bworker \d+ \(rank (\d+) on "),
     re.compile(r"no word from the server, rank (\d+) "),
     re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal"),
-    re.compile(r"srun: error: \S+: tasks? (\d+): (?:Killed|Terminated|Segmentation fault|Aborted)"),
 )
+# srun names each task that ended badly, the first one and then those it ended itself once it ended the step
+# (--kill-on-bad-exit): only the lines before it said so name lost ranks.
+_SRUN = re.compile(r"srun: error: \S+: task (\d+): (?:Killed|Terminated|Segmentation fault|Aborted|Exited)")
+_SRUN_ENDS = re.compile(r"_step_signal: Terminating|CANCELLED AT|Force Terminated")
 _ROLL = re.compile(r"rank\(s\) ([\d, -]+) of \d+ did not arrive")
 # Signs that a rank stopped, died or hung without a rank the supervisor can read: counted as one lost.
 _DIED = (
@@ -105,6 +108,8 @@ def decide(outcome: Outcome, ranks: int, min_ranks: int, restarts_left: int) -> 
 def lost_ranks(text: str) -> frozenset[int]:
     """The ranks `text` (a job's output, a summary's `incomplete` line) names as lost."""
     found = {int(m.group(1)) for pattern in _NAMED for m in pattern.finditer(text)}
+    ended = _SRUN_ENDS.search(text)
+    found.update(int(m.group(1)) for m in _SRUN.finditer(text[: ended.start()] if ended else text))
     for m in _ROLL.finditer(text):
         for part in m.group(1).replace(" ", "").split(","):
             low, _, high = part.partition("-")
