@@ -19,9 +19,12 @@ Link models sit on both ends of a host's link (the host's egress and the bridge 
 message between two hosts crosses both hosts' links, so its one-way delay is the sum of their delays (a model on
 one host only: that host's delay and loss). Presets: 10gbe (10 Gbit/s, 25 us), 1gbe (1 Gbit/s, 50 us), slow-host
 (5 ms), slow-link (20 Mbit/s), lossy (1% loss), none; or a spec such as `rate=1gbit,delay=50us,jitter=10us,loss=0.5%`.
-They are `tc netem` where the kernel has it. A kernel built without netem (some VMs' are) gets the rate from `tbf`
-and the loss from a BPF filter that drops packets at random (built with LLVM's llc); a delay cannot be made there,
-and asking for one fails saying so.
+They are `tc netem` where the kernel has it. A kernel built without netem (some VMs' are) gets the rate from `tbf`,
+the loss from a BPF filter that drops packets at random (built with LLVM's llc), and a delay of 1 ms or more from
+scripts/linkdelay.py: the host's bridge port is taken off the bridge and a process in the bridge's namespace holds
+each frame between it and a second port for the delay, both ways (round trip + 2 x delay, as netem on both ends).
+That process adds its own forwarding time and caps the link at a few hundred Mbit/s, so delays under 1 ms (the
+10gbe and 1gbe presets') are left out there, saying so: those presets are then their rate alone.
 
 Needs root (namespaces, veth, tc). Where it cannot make them, `up` writes one line to DIR/unavailable (tests/cluster
 skip with it), prints it and exits 1. `up` is idempotent (a complete cluster is kept, a partial one remade); `down`
@@ -152,10 +155,56 @@ def loss_filter(loss: str) -> Path:
     return obj
 
 
+USER_DELAY_MIN_S = 1e-3  # below this the user-space forwarder's own time (0.1-1 ms here) would be most of it
+
+
+def start_delay(host: str, spec: dict[str, str]) -> None:
+    """A delay without netem: `host`'s bridge port off the bridge, scripts/linkdelay.py forwarding between it and a
+    new port `d<host>` (on the bridge) with the delay. Runs in the bridge's namespace, so `down` ends it too."""
+    delay = seconds(spec["delay"])
+    if delay < USER_DELAY_MIN_S:
+        print(f"cluster: {host}'s link: delay {spec['delay']} left out (no netem here, and under 1 ms)")
+        return
+    relay = f"d{host}"
+    sh("ip", "-n", SWITCH, "link", "add", relay, "type", "veth", "peer", "name", f"{relay}b")
+    sh("ip", "-n", SWITCH, "link", "set", f"{relay}b", "master", "br0", "up")
+    sh("ip", "-n", SWITCH, "link", "set", relay, "up")
+    sh("ip", "-n", SWITCH, "link", "set", host, "nomaster")
+    jitter = ["--jitter", spec["jitter"]] if "jitter" in spec else []
+    forwarder = [sys.executable, str(ROOT / "scripts" / "linkdelay.py"), host, relay, "--delay", spec["delay"]]
+    with (DIR / f"delay-{host}.log").open("w") as log:
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", SWITCH, *forwarder, *jitter], stdout=log, stderr=log, start_new_session=True
+        )
+    (DIR / f"delay-{host}.pid").write_text(str(proc.pid))
+
+
+def stop_delay(host: str) -> None:
+    """Undo `start_delay` (nothing when `host` has no such delay)."""
+    pidfile = DIR / f"delay-{host}.pid"
+    if pidfile.is_file():
+        try:
+            os.kill(int(pidfile.read_text()), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        pidfile.unlink()
+    if sh("ip", "-n", SWITCH, "link", "del", f"d{host}", check=False).returncode == 0:
+        sh("ip", "-n", SWITCH, "link", "set", host, "master", "br0", "up")
+
+
+def seconds(text: str) -> float:
+    """tc's time words ("5ms", "25us", "1s") in seconds."""
+    for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    sys.exit(f"cluster: time {text!r}: give it in s, ms or us")
+
+
 def without_netem(ns: str, dev: str, spec: dict[str, str]) -> None:
-    """Rate by tbf and loss by a BPF filter, on a kernel that has no netem: delay and jitter cannot be made."""
-    if "delay" in spec or "jitter" in spec:
-        sys.exit("cluster: a link delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this kernel lacks")
+    """Rate by tbf, loss by a BPF filter and (once per link, from the bridge's side) a delay by
+    scripts/linkdelay.py, on a kernel that has no netem."""
+    if "delay" in spec and ns == SWITCH:
+        start_delay(dev, spec)
     if "rate" in spec:
         burst = max(int(rate_bits(spec["rate"]) / 8 / 1000), 16384)  # a millisecond of traffic, at least a few packets
         sh(
@@ -212,6 +261,7 @@ def rate_bits(rate: str) -> float:
 def set_link(host: str, model: str) -> None:
     """Put `model` on both ends of `host`'s link (or take every model off for `none`)."""
     spec = parse_model(model)
+    stop_delay(host)
     for ns, dev in ((host, "eth0"), (SWITCH, host)):
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "clsact", check=False)
@@ -340,7 +390,7 @@ def down(quiet: bool = False) -> None:
         Path("/etc/netns").rmdir()  # only when empty: other namespaces' files stay
     except OSError:
         pass
-    for path in [DIR / "cluster.json", DIR / "unavailable", *DIR.glob("loss-*.*")]:
+    for path in [DIR / "cluster.json", DIR / "unavailable", *DIR.glob("loss-*.*"), *DIR.glob("delay-*.*")]:
         path.unlink(missing_ok=True)
     shutil.rmtree(DIR / "bin", ignore_errors=True)
     try:
