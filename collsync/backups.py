@@ -161,20 +161,21 @@ class Margin:
     mean_gap and dev_gap: a running mean and mean deviation (Jacobson's estimator, as TCP's retransmission timer
     uses it: gains 1/8 and 1/4) of the time from the N-th arrival to the last, over the rounds in which all n came
     within the margin; a round whose margin ran out with ranks missing halves the estimate instead (a rank that
-    stays slow stops costing waits; the next complete round sets it again). T: the time from the round's start to
-    the N-th arrival, as the rank that closes the round measured it (from its previous result to its arrival).
-    The bounds: a gradient that comes within T / N keeps the round's gradients per second, 000_...'s measure, at
-    least N / T ((N + 1) / (T + T / N) = N / T), so that much waiting is always worth trying; a round never more
-    than doubles for a late one. Before any complete round the margin is T (wait, and measure).
+    stays slow stops costing waits; the next complete round sets it again). T: the period of the rounds, as the
+    rank that closes this one (the N-th arrival) measured it: from its arrival in the round before to this one
+    (its compute, and the last round's communication and waiting, so T scales with the machine's load as the
+    jitter does). The bounds: a gradient that comes within T / N keeps the gradients per second, 000_...'s
+    measure, at least N / T ((N + 1) / (T + T / N) = N / T), so that much waiting is always worth trying; a round
+    never more than doubles for a late one. Before any complete round the margin is T (wait, and measure).
     """
 
     mean: float | None = None
     dev: float = 0.0
     estimate: float | None = None
 
-    def limit(self, elapsed: float, quorum: int) -> float:
-        """The margin in seconds for a round whose quorum-th gradient came `elapsed` s after the round began."""
-        high = max(elapsed, 0.0)
+    def limit(self, period: float, quorum: int) -> float:
+        """The margin in seconds for a round of `quorum` gradients at `period` seconds a round (T above)."""
+        high = max(period, 0.0)
         guess = high if self.estimate is None else self.estimate
         return min(high, max(high / quorum, guess))
 

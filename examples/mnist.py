@@ -45,7 +45,13 @@ def load(mnist: str | None, seed: int) -> tuple[TensorDataset, TensorDataset, in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sync", default="bsp", help="bsp | backup | async | ssp | psp (collsync only)")
-    parser.add_argument("--backups", type=int, default=1, help="backup workers dropped per round (--sync backup)")
+    parser.add_argument("--backups", type=int, default=1, help="backup workers (--sync backup)")
+    parser.add_argument(
+        "--margin",
+        default="auto",
+        help="--sync backup: how long a round waits for the last b gradients: auto (from the measured arrivals), "
+        "seconds, or none (drop b every round)",
+    )
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() as under Horovod")
@@ -56,7 +62,9 @@ def main() -> None:
 
     options = {}
     if COLLSYNC:
-        options = {"sync": args.sync, **({"backups": args.backups} if args.sync == "backup" else {})}
+        margin = None if args.margin == "none" else args.margin if args.margin == "auto" else float(args.margin)
+        backup = {"backups": args.backups, "margin": margin}
+        options = {"sync": args.sync, **(backup if args.sync == "backup" else {})}
         hvd.init(sync=args.sync)  # a parameter-server mode reserves rank 0 as the server here
     else:
         hvd.init()
@@ -93,8 +101,11 @@ def main() -> None:
     with torch.no_grad():
         accuracy = (model(x).argmax(1) == y).float().mean()
     accuracy = hvd.allreduce(accuracy, op=hvd.Average)  # the workers' models differ under async modes
+    dropped = hvd.allreduce(torch.tensor(float(getattr(optimizer, "dropped", 0))), op=hvd.Sum)
     if hvd.rank() == 0:
         print(f"test accuracy: {accuracy.item():.4f} ({hvd.size()} workers, sync={args.sync})", flush=True)
+        if args.sync == "backup":
+            print(f"gradients dropped: {int(dropped.item())}", flush=True)
 
 
 if __name__ == "__main__":

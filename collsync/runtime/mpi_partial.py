@@ -138,9 +138,10 @@ class PartialAllreduce(PartialWindows):
     def __call__(self, tensor: Flat, quorum: int, round: int, *, out: Flat | None = None) -> PartialResult:
         """Contribute `tensor` to round `round`; return the round's mean (first `quorum` contributions, rank order).
         The mean is a new tensor, or `out` (numel elements of the dtype, not `tensor`) overwritten: no allocation."""
-        arrived_at = time.monotonic()
+        now = time.monotonic()
         self._check_not_stranded()
         check_call(self.numel, self.size, self.round, round, quorum, tensor)
+        period, self._arrived_before = now - self._arrived_before, now  # since this rank's arrival a round ago
         if out is not None:  # checked before the round starts: a ticket taken cannot be given back
             check_out(out, self.numel, self.dtype)
         if quorum == self.size > 1:
@@ -153,7 +154,7 @@ class PartialAllreduce(PartialWindows):
             return self._collect(quorum, round, None, out)
         self._post(data, round)
         if index == quorum - 1:
-            self._close(quorum, round, arrived_at - self._began)
+            self._close(quorum, round, period)
         return self._collect(quorum, round, data, out)
 
     def try_read(self, quorum: int, round: int) -> PartialResult | None:
@@ -162,6 +163,7 @@ class PartialAllreduce(PartialWindows):
         check_call(self.numel, self.size, self.round, round, quorum, None)
         if tag_state(self._load(self._entry_at(round) + 1), round) != READY:
             return None
+        self._arrived_before = time.monotonic()  # this rank's arrival in `round`, too late to count
         # A complete round passed its gate, so the ticket arithmetic holds without waiting here.
         index, closed = self._ticket(round)
         if index < quorum or not closed:
@@ -178,14 +180,15 @@ class PartialAllreduce(PartialWindows):
         self.win_slots.Flush(self.host)
         self._store(self._posted + self.rank, round_)
 
-    def _close(self, quorum: int, round_: int, elapsed: float) -> None:
-        """Step 4 (the quorum-th arrival, `elapsed` s into its round): close the round's tickets (after the margin,
-        if any); once every rank that drew one before the close posted, record who they are; tag 'summing'."""
+    def _close(self, quorum: int, round_: int, period: float) -> None:
+        """Step 4 (the quorum-th arrival, `period` s after its arrival in the round before): close the round's
+        tickets (after the margin, if any); once every rank that drew one before the close posted, record who they
+        are; tag 'summing'."""
         count = quorum
         if self.margin is None:
             self._close_tickets(round_)
         else:
-            count = self._extend(quorum, round_, elapsed)
+            count = self._extend(quorum, round_, period)
         ranks = self._poll(
             lambda: _posted_for(self._load_many(self._posted, self.size), round_, count),
             lambda: (
@@ -198,14 +201,14 @@ class PartialAllreduce(PartialWindows):
         self._store_many(entry + 2, record)  # blocks <- 0 (the entry's last round is read by all: the gate)
         self._store(entry + 1, writing_tag(round_))
 
-    def _extend(self, quorum: int, round_: int, elapsed: float) -> int:
+    def _extend(self, quorum: int, round_: int, period: float) -> int:
         """Step 4 with a margin: wait up to it (`Margin.limit` for "auto") for the ranks that have not drawn a
         ticket, close, and return how many drew one before the close (all of them count)."""
         margin, auto = self.margin, False
         if isinstance(margin, (int, float)):
             limit = float(margin)
         else:  # "auto" (None never comes here: it closes at once)
-            limit, auto = self._margin.limit(elapsed, quorum), True
+            limit, auto = self._margin.limit(period, quorum), True
         start = last = time.monotonic()
         seen, backoff = quorum, self._backoff
         backoff.reset()
@@ -281,7 +284,6 @@ class PartialAllreduce(PartialWindows):
         self._full_rounds[round_ % self.depth] += 1
         self._floor = max(self._floor, round_)  # every rank entered round_, so every rank had read round_ - 1
         self.round = round_ + 1
-        self._began = time.monotonic()
         return PartialResult(mean, round_, self.size, list(range(self.size)), [])
 
     def _roll_call(self, round_: int) -> str:
@@ -354,7 +356,6 @@ class PartialAllreduce(PartialWindows):
         contributors, dropped = split([int(r) for r in record[2 : 2 + int(record[1])]], self.size)
         self._store(self._read + self.rank, round_ + 1)
         self._stored_read = self.round = round_ + 1
-        self._began = time.monotonic()
         return PartialResult(mean, round_, len(contributors), contributors, dropped)
 
     def _collect_ready(self, tag: int, round_: int) -> bool | None:

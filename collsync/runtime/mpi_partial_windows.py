@@ -130,7 +130,7 @@ class PartialWindows(Windows):
         self.round = 0  # the next round this rank reads
         self.margin = margin
         self._margin = Margin()  # the adaptive margin's running estimate (rounds this rank closes)
-        self._began = time.monotonic()  # when this rank's current round began for it (its last result returned)
+        self._arrived_before = time.monotonic()  # this rank's last arrival in a round: the period of its rounds
         self._parts: Flat | None = None  # a contributor's block of each counted slot (see `_sum_block`), kept
         self._who = rank_prefix(comm)
         self._hosts: list[str] = comm.allgather(socket.gethostname())  # so a timeout names a late rank's host

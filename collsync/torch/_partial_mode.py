@@ -1,7 +1,10 @@
 """`backup` without servers (000_..., Chen et al., Alg. 3-4): each step t is a k-of-n partial allreduce
-(`runtime.mpi_partial.PartialAllreduce`). The first n - b gradients of round t to arrive are averaged, every replica
-applies that same mean with the user's optimizer, and a gradient that came late is dropped and counted (`dropped`).
-A worker whose round is already complete reads the mean without contributing.
+(`runtime.mpi_partial.PartialAllreduce`). The first n - b gradients of round t to arrive are averaged, and, with
+the default `margin="auto"`, every other one that comes within the margin the measured arrivals give
+(`backups.Margin`: with nobody straggling, every round takes all n); every replica applies that same mean with the
+user's optimizer, and a gradient that came later is dropped and counted (`dropped`). `margin=None` takes exactly
+n - b every round (the paper's fixed b). A worker whose round is already complete reads the mean without
+contributing.
 """
 
 from __future__ import annotations
@@ -52,7 +55,12 @@ class PartialMode(Mode):
             )
             return
         self.pa = PartialAllreduce(
-            st.comm, self.flat.buf.numel(), dtype=self.flat.buf.dtype, depth=config.depth, timeout=policy.deadline
+            st.comm,
+            self.flat.buf.numel(),
+            dtype=self.flat.buf.dtype,
+            depth=config.depth,
+            timeout=policy.deadline,
+            margin=config.margin,
         )
 
     def synchronize(self) -> None:

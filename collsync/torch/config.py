@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 
 from collsync.policy import SyncPolicy
+from collsync.runtime.mpi_partial_windows import check_margin
 
 MODES = ("bsp", "backup", "async", "ssp", "psp", "bfasgd", "specsync")
 PENALTIES = ("none", "staleness_aware", "staleness_aware_step", "gap_aware")
@@ -31,7 +32,9 @@ class SyncConfig:
     """A sync mode, resolved: the policy; the penalty and the server's optimizer as config nodes (dicts with
     `_target_`, as in conf/penalty/ and conf/optimizer/; None: no penalty, and the rule made from the user's
     torch optimizer); how many server ranks (0: serverless bsp/backup); the full-sync backend; the partial
-    allreduce's depth. Plain values only: worker 0 sends it to the server ranks."""
+    allreduce's depth and margin (serverless backup: how long a round waits after its quorum-th gradient for the
+    others, `runtime.mpi_partial`; "auto" from the measured arrivals, seconds, or None: exactly n - b gradients a
+    round). Plain values only: worker 0 sends it to the server ranks."""
 
     policy: SyncPolicy
     penalty: dict[str, Any] | None = None
@@ -43,6 +46,7 @@ class SyncConfig:
     # The options `sync_config` was given by name (None: built from a SyncPolicy or a composed config), so that
     # options beside it (DistributedOptimizer after init(sync=...)) merge with them key by key.
     given: dict[str, Any] | None = None
+    margin: float | str | None = "auto"
 
     def __post_init__(self) -> None:
         speculation = self.policy.speculation
@@ -116,7 +120,10 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     Besides the mode's own keys: `penalty` (a name from conf/penalty/, or None) and `penalty_options` (its keys),
     `rule` (a name from conf/optimizer/, e.g. "dana" or "fasgd", for the server instead of the one made from the
     torch optimizer) and `rule_options` (its keys), `servers` (server ranks; default 1 for async, ssp, psp, bfasgd,
-    else 0), `backend` ("mpi" or "horovod"), `depth` (the partial allreduce's ring), `scaled_lr` (default True: the
+    else 0), `backend` ("mpi" or "horovod"), `depth` (the partial allreduce's ring), `margin` (serverless backup:
+    "auto", the default, waits after the round's n - b-th gradient for the others as long as the measured arrivals
+    say nobody straggles (`backups.Margin`); a number waits that many seconds; None takes exactly the first n - b,
+    000_...'s fixed b and collsync-train's `sync=backup`), `scaled_lr` (default True: the
     torch optimizer's lr is Horovod's `lr * size()`, and a server mode rescales it, see `server_lr`; False: the
     servers apply it as given).
     """
@@ -128,6 +135,7 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     servers = options.pop("servers", None)
     backend = options.pop("backend", "mpi")
     depth = options.pop("depth", 8)
+    margin_given, margin = "margin" in options, options.pop("margin", "auto")
     rule = options.pop("rule", None)
     rule_options = options.pop("rule_options", None) or {}
     scaled_lr = options.pop("scaled_lr", True)
@@ -151,6 +159,15 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
         raise ValueError(f"sync={policy.name}: backend={backend!r} must be 'mpi' or 'horovod'")
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"sync={policy.name}: depth={depth!r} must be a whole number >= 1")
+    try:
+        check_margin(margin)
+    except ValueError as exc:
+        raise ValueError(f"sync={policy.name}: {str(exc).removeprefix('partial allreduce: ')}") from None
+    if margin_given and (servers or policy.name != "backup"):
+        raise ValueError(
+            f"sync={policy.name}: margin={margin!r} is for serverless backup (sync='backup', servers=0), whose "
+            "rounds are the k-of-n partial allreduce"
+        )
     penalty_node = None
     if penalty is not None:
         if penalty not in PENALTIES:
@@ -167,7 +184,7 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     elif rule_options:
         raise ValueError("rule_options are for a rule given by name (rule='dana', ...)")
     named = named if isinstance(sync, str) else None
-    return SyncConfig(policy, penalty_node, servers, backend, depth, rule_node, scaled_lr, named)
+    return SyncConfig(policy, penalty_node, servers, backend, depth, rule_node, scaled_lr, named, margin)
 
 
 def merge(config: SyncConfig, options: dict[str, Any]) -> SyncConfig:

@@ -19,9 +19,19 @@ from collsync.torch._world import state
 _OPEN: dict[tuple[int, torch.dtype], list[Any]] = {}
 
 
-def partial_allreduce(tensor: torch.Tensor, quorum: int, *, timeout: float | None = None, depth: int = 8) -> Any:
+def partial_allreduce(
+    tensor: torch.Tensor,
+    quorum: int,
+    *,
+    timeout: float | None = None,
+    depth: int = 8,
+    margin: float | str | None = None,
+) -> Any:
     """The k-of-n partial allreduce (000_..., Chen et al., backup workers): returns a `PartialResult` with `mean`
-    (shaped like `tensor`), `round`, `quorum`, `contributors` and `dropped`, identical on every worker.
+    (shaped like `tensor`), `round`, `quorum`, `contributors` and `dropped`, identical on every worker. `margin`:
+    None averages exactly the first k; seconds, or "auto" (from the measured arrivals), also every tensor that
+    comes within that long after the k-th (`quorum` is then how many were averaged). `timeout`, `depth` and
+    `margin` hold from a size's first call.
 
     Raises:
         ValueError: quorum outside 1..size(), a tensor that is not float32/float64 on the CPU.
@@ -35,7 +45,7 @@ def partial_allreduce(tensor: torch.Tensor, quorum: int, *, timeout: float | Non
         raise ValueError(f"partial_allreduce: a float32 or float64 CPU tensor, got {tensor.dtype} on {tensor.device}")
     key = (tensor.numel(), tensor.dtype)
     if key not in _OPEN:
-        pa = PartialAllreduce(st.comm, tensor.numel(), dtype=tensor.dtype, depth=depth, timeout=timeout)
+        pa = PartialAllreduce(st.comm, tensor.numel(), dtype=tensor.dtype, depth=depth, timeout=timeout, margin=margin)
         _OPEN[key] = [pa, 0]
 
         def close(key: tuple[int, torch.dtype] = key) -> None:

@@ -193,3 +193,17 @@ def test_world_must_match_the_server():
     server = Server(torch.zeros(2), sgd(), bsp(), 3, steps=1)
     with pytest.raises(ValueError, match="workers=3, the world has 4 ranks"):
         run_partial(server, Scripted(4), lambda params, worker, index: params)
+
+
+def test_sync_config_takes_a_margin_for_serverless_backup_only():
+    from collsync.torch.config import sync_config
+
+    assert sync_config("backup").margin == "auto"  # collsync.torch's default: wait for everyone not straggling
+    assert sync_config("backup", margin=None).margin is None  # the paper's fixed b
+    assert sync_config("backup", backups=2, margin=0.05).margin == 0.05
+    with pytest.raises(ValueError, match=r"sync=backup: margin='soon' must be None, 'auto' or a number of seconds"):
+        sync_config("backup", margin="soon")
+    with pytest.raises(ValueError, match=r"margin=0.1 is for serverless backup"):
+        sync_config("backup", servers=1, margin=0.1)
+    with pytest.raises(ValueError, match=r"sync=bsp: margin='auto' is for serverless backup"):
+        sync_config("bsp", margin="auto")
