@@ -62,7 +62,6 @@ _DIED = (
     "got no gradient within deadline",
     "no word from the server",
     "did not arrive",
-    "srun: error:",
 )
 _STOPPED = re.compile(r"stopped by SIG(?:TERM|INT|USR1)")
 

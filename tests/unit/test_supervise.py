@@ -116,6 +116,9 @@ def test_observe_reads_this_attempts_summary_only(tmp_path: Path) -> None:
     assert observe(1, "", tmp_path, started=old).finished
     killed = observe(9, "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n", tmp_path / "none", 0.0)
     assert killed.died and not killed.lost
+    # srun failing to start the step is no lost rank: restarting on fewer would fail the same way.
+    refused = observe(1, "srun: error: Unable to create step for job 12: More processors requested", tmp_path, 0.0)
+    assert not refused.died
 
 
 # -- the command of each attempt ------------------------------------------------------------------------------
