@@ -243,14 +243,18 @@ def _record(run_dir: Path, restarts: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def _from_step(run_dir: Path, since: int) -> int | None:
-    """The step the attempt after `since` earlier `resume` events started at (its trace's `resume` event)."""
+def _from_steps(run_dir: Path, resumed: list[bool]) -> list[int | None]:
+    """The step each restart started at: 0 for one without a checkpoint, else the version of its `world` event
+    (the run's trace marks each resume on another number of workers with one; the restarts' are the last ones, a
+    requeued job's resume may come before them)."""
     try:
         with open(run_dir / "trace.jsonl") as f:
-            steps = [json.loads(line)["version"] for line in f if '"ev": "resume"' in line]
+            worlds = [json.loads(line)["version"] for line in f if '"ev": "world"' in line]
     except (OSError, ValueError, KeyError):
-        return None
-    return steps[since] if len(steps) > since else None
+        worlds = []
+    count = sum(resumed)
+    found: list[int | None] = list(worlds[-count:]) if count and len(worlds) >= count else [None] * count
+    return [found.pop(0) if r else 0 for r in resumed]
 
 
 def supervise(launcher: str, ranks: int, min_ranks: int, max_restarts: int, command: list[str]) -> int:
@@ -267,6 +271,7 @@ def supervise(launcher: str, ranks: int, min_ranks: int, max_restarts: int, comm
     for signum in FORWARDED:
         signal.signal(signum, forward)
     restarts: list[dict[str, Any]] = []
+    from_checkpoint: list[bool] = []  # per restart: did it resume from a checkpoint
     args = command
     while True:
         started = time.time()
@@ -280,14 +285,15 @@ def supervise(launcher: str, ranks: int, min_ranks: int, max_restarts: int, comm
         decision = decide(observe(code, output, run_dir, started), ranks, min_ranks, max_restarts - len(restarts))
         if not decision.restart:
             if restarts:
-                for i, entry in enumerate(restarts):
-                    entry["from_step"] = _from_step(run_dir, i)
+                for entry, step in zip(restarts, _from_steps(run_dir, from_checkpoint), strict=True):
+                    entry["from_step"] = step
                 _record(run_dir, restarts)
                 _say(f"{decision.why} after {len(restarts)} restart(s), on {ranks} rank(s) (exit {code})")
             elif code != 0:
                 _say(f"{decision.why}: not restarted (exit {code})")
             return code
         args = resumed(command, run_dir)
+        from_checkpoint.append(args is not command)
         start = "its last checkpoint" if args is not command else "the start (no checkpoint yet)"
         restarts.append({"attempt": len(restarts) + 2, "ranks": decision.ranks, "was": ranks, "why": decision.why})
         _say(

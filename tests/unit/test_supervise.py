@@ -20,6 +20,7 @@ from collsync.runs.resume import refit
 from collsync.server import Server
 from collsync.supervise import (
     Outcome,
+    _from_steps,
     decide,
     launch_command,
     lost_ranks,
@@ -147,6 +148,14 @@ def test_a_restart_resumes_from_the_folders_checkpoint(tmp_path: Path) -> None:
     assert resumed(command, tmp_path) == command  # nothing saved yet: start as the first attempt did
     (tmp_path / "checkpoint.pt").write_bytes(b"")
     assert resumed(command, tmp_path) == ["collsync-train", "steps=9", "resume=auto"]
+
+
+def test_each_restart_is_matched_with_the_step_it_resumed_at(tmp_path: Path) -> None:
+    # A requeued job resumed on all its tasks at 40 (a world event too), then two restarts: from 120, and afresh.
+    events = [{"ev": "world", "version": 40}, {"ev": "apply", "version": 41}, {"ev": "world", "version": 120}]
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert _from_steps(tmp_path, [True, False]) == [120, 0]
+    assert _from_steps(tmp_path / "none", [True]) == [None]
 
 
 def test_arguments() -> None:
