@@ -50,8 +50,9 @@ _NAMED = (
     re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal"),
 )
 # srun names each task that ended badly, the first one and then those it ended itself once it ended the step
-# (--kill-on-bad-exit): only the lines before it said so name lost ranks.
-_SRUN = re.compile(r"srun: error: \S+: task (\d+): (?:Killed|Terminated|Segmentation fault|Aborted|Exited)")
+# (--kill-on-bad-exit): only the lines before it said so name lost ranks, and only a task that died of a signal (a
+# collsync rank that exits with a status, 2 or 128 + n, chose to: after a deadline or a signal).
+_SRUN = re.compile(r"srun: error: \S+: task (\d+): (?:Killed|Terminated|Segmentation fault|Aborted|Bus error)")
 _SRUN_ENDS = re.compile(r"_step_signal: Terminating|CANCELLED AT|Force Terminated")
 _ROLL = re.compile(r"rank\(s\) ([\d, -]+) of \d+ did not arrive")
 # Signs that a rank stopped, died or hung without a rank the supervisor can read: counted as one lost.

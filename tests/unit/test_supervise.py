@@ -99,6 +99,7 @@ def test_never_below_min_ranks_nor_past_the_restarts() -> None:
             {2},
         ),
         ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", set()),
+        ("srun: error: vm: task 0: Exited with exit code 138", set()),  # rank 0 stopped by SIGUSR1, checkpointed
     ],
 )
 def test_lost_ranks_are_read_from_collsync_and_the_launchers(text: str, ranks: set[int]) -> None:
