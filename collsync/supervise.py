@@ -146,6 +146,11 @@ def _summary(run_dir: Path, started: float) -> dict[str, Any] | None:
 def run_dir_of(command: list[str]) -> tuple[list[str], Path]:
     """The run folder the command writes (its `hydra.run.dir=`), adding one the way `collsync-train` names it
     when the command has none: every attempt must write, and resume from, the same folder."""
+    if not any(Path(a).name == "collsync-train" or a == "collsync.cli" for a in command):
+        raise ValueError(
+            "the command is not a collsync-train run (collsync-train ... or python -m mpi4py -m collsync.cli ...): "
+            "only those are restarted from a run folder's checkpoint"
+        )
     # Hydra's -m is followed by overrides (key=value), python's -m by a module name.
     multirun = [
         a.startswith("--multirun") or (a == "-m" and "=" in (command[i + 1 : i + 2] or ["="])[0])

@@ -142,6 +142,8 @@ def test_the_run_folder_is_fixed_before_the_first_attempt(tmp_path: Path) -> Non
     assert added[-1] == f"hydra.run.dir={folder}" and str(folder).startswith("outputs/")
     with pytest.raises(ValueError, match="multirun"):
         run_dir_of(["collsync-train", "-m", "sync=bsp,async"])
+    with pytest.raises(ValueError, match="not a collsync-train run"):
+        run_dir_of(["python", "my_horovod_script.py", "--epochs", "3"])
 
 
 def test_a_restart_resumes_from_the_folders_checkpoint(tmp_path: Path) -> None:
@@ -178,7 +180,7 @@ def test_a_signal_goes_to_the_job_and_ends_the_supervisor(tmp_path: Path) -> Non
     try:
         timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
         timer.start()
-        code = supervise(str(launcher), 2, 1, 3, ["job", f"hydra.run.dir={tmp_path / 'run'}"])
+        code = supervise(str(launcher), 2, 1, 3, ["collsync-train", f"hydra.run.dir={tmp_path / 'run'}"])
     finally:
         if timer is not None:
             timer.cancel()
