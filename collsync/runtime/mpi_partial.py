@@ -146,6 +146,8 @@ class PartialAllreduce(PartialWindows):
             check_out(out, self.numel, self.dtype)
         if quorum == self.size > 1:
             return self._full(tensor, round, out)
+        if self.tolerate:
+            self._check_not_lost()
         self._publish_read()
         data = tensor.detach().to(self.dtype).contiguous()
         self._gate(round)
@@ -161,6 +163,8 @@ class PartialAllreduce(PartialWindows):
         """Round `round`'s result if it is already complete (this rank is then among the dropped), else None."""
         self._check_not_stranded()
         check_call(self.numel, self.size, self.round, round, quorum, None)
+        if self.tolerate:
+            self._check_not_lost()
         if tag_state(self._load(self._entry_at(round) + 1), round) != READY:
             return None
         self._arrived_before = time.monotonic()  # this rank's arrival in `round`, too late to count
@@ -217,7 +221,7 @@ class PartialAllreduce(PartialWindows):
             now = time.monotonic()
             if arrived > seen:
                 seen, last = arrived, now
-            if seen >= self.size or now - start >= limit:
+            if seen >= self.size - len(self.lost) or now - start >= limit:
                 break
             backoff.wait()
         count = self._close_tickets(round_)
@@ -356,6 +360,8 @@ class PartialAllreduce(PartialWindows):
         contributors, dropped = split([int(r) for r in record[2 : 2 + int(record[1])]], self.size)
         self._store(self._read + self.rank, round_ + 1)
         self._stored_read = self.round = round_ + 1
+        if self.lost:
+            self._read_for_lost()
         return PartialResult(mean, round_, len(contributors), contributors, dropped)
 
     def _collect_ready(self, tag: int, round_: int) -> bool | None:

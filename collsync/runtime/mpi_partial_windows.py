@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from collsync.backups import Margin
+from collsync.runtime.mpi_partial_lost import LostRanks
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
 from collsync.types import Flat
@@ -100,7 +101,7 @@ def check_call(numel: int, size: int, expected_round: int, got: int, quorum: int
         raise ValueError(f"partial allreduce: tensor has {tensor.numel()} elements, the windows hold {numel=}")
 
 
-class PartialWindows(Windows):
+class PartialWindows(LostRanks, Windows):
     """The windows of a partial allreduce over `comm` and this rank's view of them (collective constructor; see
     `mpi_partial.PartialAllreduce` for the arguments). `free()` (collective) releases them."""
 
@@ -114,12 +115,15 @@ class PartialWindows(Windows):
         host: int = 0,
         timeout: float | None = None,
         margin: float | str | None = None,
+        tolerate: int = 0,
     ) -> None:
         from mpi4py import MPI  # lazily: collsync's modules import without an MPI library
 
         size, rank = comm.Get_size(), comm.Get_rank()
         _check_args(numel, dtype, depth, host, size, timeout)
         check_margin(margin)
+        if not 0 <= tolerate < size:
+            raise ValueError(f"partial allreduce: {tolerate=} lost ranks must be in 0..{size - 1}")
         if timeout is not None:
             # Window creation and Dup wait for every rank and cannot be bounded themselves: once every rank has
             # passed this gate they complete; a rank that never comes is named within `timeout`.
@@ -129,6 +133,7 @@ class PartialWindows(Windows):
         self.size, self.rank = size, rank
         self.round = 0  # the next round this rank reads
         self.margin = margin
+        self.tolerate, self.lost, self._proxied = tolerate, {}, {}  # `mpi_partial_lost`
         self._margin = Margin()  # the adaptive margin's running estimate (rounds this rank closes)
         self._arrived_before = time.monotonic()  # this rank's last arrival in a round: the period of its rounds
         self._parts: Flat | None = None  # a contributor's block of each counted slot (see `_sum_block`), kept
@@ -141,6 +146,8 @@ class PartialWindows(Windows):
         self._read = self._posted + size
         self._summed = self._read + size
         self._waited = self._summed + size
+        self._lost_at = self._waited + size
+        self._left = self._lost_at + size
         self._wins = self._allocate(rank == host)
         self._full_comm = comm.Dup()  # full-quorum rounds' allreduce: never interleaved with the caller's collectives
         self.win_slots, self.win_ring, self.win_ctrl = self._wins
@@ -155,7 +162,7 @@ class PartialWindows(Windows):
     # -- set-up and tear-down --------------------------------------------------------------------------------------
     def _allocate(self, hosting: bool) -> tuple[Any, Any, Any]:
         MPI, item = self.MPI, np.dtype(self._np).itemsize
-        words = self._waited + self.size
+        words = self._left + self.size
         slots = MPI.Win.Allocate(self.size * self.numel * item if hosting else 0, item, comm=self.comm)
         ring = MPI.Win.Allocate(self.depth * self.numel * item if hosting else 0, item, comm=self.comm)
         ctrl = MPI.Win.Allocate(words * 8 if hosting else 0, 8, comm=self.comm)
@@ -167,7 +174,8 @@ class PartialWindows(Windows):
             words_[:] = 0
             words_[1 : self._posted : self._entry] = _EMPTY  # every entry's tag
             words_[self._posted : self._read] = -1  # no rank has posted any round
-            words_[self._summed :] = -1  # nor summed a block of one, nor waited in vain in a full round
+            words_[self._summed :] = -1  # nor summed a block of one, nor waited in vain in a full round, nor is lost
+            words_[self._left :] = 0  # no rank has come to the end (`leave_live`)
         self.comm.Barrier()  # initialised memory is in place before anyone reads it
         for win in (slots, ring, ctrl):
             win.Lock_all()
@@ -275,7 +283,14 @@ class PartialWindows(Windows):
                 f"round {round_} waits for ranks {late} to read round {round_ - self.depth} ({behind}; {self.depth=})"
             )
 
-        self._poll(probe, describe)
+        while True:
+            try:
+                self._poll(probe, describe)
+                return
+            except RankLost:
+                late = lagging(read.tolist(), round_, self.depth)
+                if not (self.tolerate and self._lose(late, read.tolist(), round_)):
+                    raise
 
     def _late(self, round_: int) -> str:
         """'; waiting on rank 2 on node17': the ranks that have not posted `round_`, for a timeout's message."""

@@ -20,6 +20,7 @@ from collsync.runtime.mpi_coll import shutdown, threads_supported
 from collsync.runtime.mpi_partial import PartialAllreduce
 from collsync.torch import _mode
 from collsync.torch._mode import Mode, one_dtype
+from collsync.torch._server_mode import exit_without_finalize
 from collsync.torch._world import World
 from collsync.torch.config import SyncConfig
 
@@ -39,6 +40,7 @@ class PartialMode(Mode):
         self.flat = one_dtype(params, policy.name)
         self.round = 0
         self.dropped = 0
+        self._lost: list[dict[str, Any]] = []
         self.reducer: BucketReducer | None = None
         self.pa: PartialAllreduce | None = None
         if self.quorum == workers > 1 and threads_supported():
@@ -54,6 +56,7 @@ class PartialMode(Mode):
                 what="DistributedOptimizer: the gradient allreduce",
             )
             return
+        self._world_ranks: list[int] = st.comm.allgather(st.world.Get_rank())  # to name a lost worker
         self.pa = PartialAllreduce(
             st.comm,
             self.flat.buf.numel(),
@@ -61,6 +64,7 @@ class PartialMode(Mode):
             depth=config.depth,
             timeout=policy.deadline,
             margin=config.margin,
+            tolerate=max(k for k in range(workers) if policy.tolerates(k, workers)),
         )
 
     def synchronize(self) -> None:
@@ -87,7 +91,23 @@ class PartialMode(Mode):
             "give every worker the same number of steps (e.g. drop_last=True)"
         )
 
+    @property
+    def lost(self) -> list[dict[str, Any]]:
+        """The workers the others went on without (`runtime.mpi_partial_lost`), known once closed."""
+        return self._lost
+
     def close(self) -> None:
+        pa = self.pa
+        if pa is not None and pa.tolerate and pa.leave_live():
+            # Ranks lost (at most the backups): the windows' free and the world's end are collective and would wait
+            # for them, so this process ends at exit without either (as the server modes' workers do).
+            self._lost = [
+                {"rank": r, "world_rank": self._world_ranks[r], "host": pa.host_of(r), "last_update": since - 1}
+                for r, since in sorted(pa.lost.items())
+            ]
+            self.st.lost = self._lost
+            exit_without_finalize()
+            return
         shutdown(self.st.comm, self.st.deadline)  # a lost rank: RankLost naming it, not a hang
         if self.reducer is not None:
             self.reducer.remove()

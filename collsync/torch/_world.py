@@ -54,6 +54,7 @@ class World:
     role: str = "worker"
     serve: bool = True  # server ranks serve inside init() (False: the caller drives them, as collsync-train does)
     deadline: float | None = DEADLINE  # how long start-up and shutdown wait for a rank before naming it lost
+    lost: list[Any] = field(default_factory=list)  # serverless ranks gone on without (backup): nobody waits for them
 
 
 _STATE: World | None = None
@@ -198,7 +199,7 @@ def shutdown() -> None:
     try:
         for close in reversed(st.cleanups):
             close()
-        if not st.servers:
+        if not st.servers and not st.lost:
             # Serverless workers leave together, within the deadline: MPI_Finalize at exit would otherwise wait
             # for a lost rank for ever. (Server modes' workers leave at their own times; their servers see them go.)
             leave_together(st.comm, st.deadline)

@@ -1,8 +1,9 @@
 """A worker lost in a `collsync.torch` script under a server mode (tests/scripts/torch_lost.py: 1 server and 3
 workers, worker 1 stops itself with SIGSTOP mid-run): the servers lose it at the deadline (5 s) and go on, the other
 workers train every step, `hvd.shutdown()` returns on them, `opt.lost` names the stopped worker, and every process
-but the stopped one exits by itself. The stopped process never goes on: the test kills it (SIGKILL), whatever
-happened, and the job then ends."""
+but the stopped one exits by itself. Serverless `backup` (4 workers, b = 1): the others' partial allreduce declares
+it lost at the deadline and goes on without it (runtime/mpi_partial_lost.py), with the same ending. The stopped
+process never goes on: the test kills it (SIGKILL), whatever happened, and the job then ends."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("sync", ["async", "ssp"])
+@pytest.mark.parametrize("sync", ["async", "ssp", "backup"])
 def test_a_stopped_worker_is_lost_and_the_others_finish(tmp_path, sync):
     args = [str(MPIEXEC), "-disable-auto-cleanup", "-n", "4", sys.executable, str(SCRIPT), sync, "1", "300"]
     proc = subprocess.Popen([*args, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -76,8 +77,11 @@ def test_a_stopped_worker_is_lost_and_the_others_finish(tmp_path, sync):
             raise
     assert took < BOUND_S, (took, err[-2000:])
     assert "Traceback" not in err, err[-2000:]
-    done = sorted((tmp_path / f"done-{w}").read_text() for w in (0, 2) if (tmp_path / f"done-{w}").exists())
+    survivors = (0, 2, 3) if sync == "backup" else (0, 2)  # backup has no server rank: 4 workers
+    done = sorted((tmp_path / f"done-{w}").read_text() for w in survivors if (tmp_path / f"done-{w}").exists())
     host = socket.gethostname()
     assert [line.split(" last=")[0] for line in done] == [
-        f"worker {w}: done lost=[1] hosts=[{host!r}]" for w in (0, 2)
+        f"worker {w}: done lost=[1] hosts=[{host!r}]" for w in survivors
     ], (out[-2000:], err[-2000:])
+    if sync == "backup":
+        assert f"rank 1 on {host} is lost" in err, err[-2000:]  # one line names it

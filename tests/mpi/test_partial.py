@@ -326,3 +326,30 @@ def test_stress_with_auto_margin_every_contribution_counted_or_dropped_once(comm
     assert all(len(f) == rounds and 0 not in f for f in fates)  # every rank settled every round
     # Every rank the round counted says it was counted, and no other: membership was decided once.
     assert [sum(f[t] == 1 for f in fates) for t in range(rounds)] == sizes
+
+
+def test_a_rank_that_stops_is_lost_and_the_others_go_on(comm):
+    """tolerate=1: the last rank stops calling after round 4; the others' gate waits `timeout` for it, declares it
+    lost (the lowest live rank then reads for it) and they run 30 rounds with the same means; at the end
+    `leave_live` names it, and when it comes back it is told it cannot rejoin."""
+    n, rank, numel = comm.Get_size(), comm.Get_rank(), 6
+    if n < 2:
+        pytest.skip("needs a rank to lose beside the others")
+    gone, rounds = n - 1, 30
+    seen = []
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, timeout=0.5, tolerate=1) as pa:
+        for t in range(rounds if rank != gone else 5):
+            result = pa.try_read(n - 1, t) or pa(_contribution(rank, t, numel), n - 1, t)
+            assert torch.equal(result.mean, _expected(result, numel))
+            seen.append((result.contributors, result.mean.numpy().tobytes()))
+        if rank == gone:
+            time.sleep(3.0)  # stopped: the others go on without it
+            with pytest.raises(TimeoutError, match="went on without this rank from round 5"):
+                pa(_contribution(rank, 5, numel), n - 1, 5)
+            assert pa.leave_live() == [gone]
+        else:
+            assert pa.leave_live() == [gone]
+            assert [c for c, _ in seen[5:]] == [list(range(n - 1))] * (rounds - 5)  # every live rank, every round
+        assert pa.lost == {gone: 5}
+        live = comm.allgather(repr(seen[5:]).encode() if rank != gone else None)
+        assert len({v for v in live if v is not None}) == 1  # every live rank read the same rounds

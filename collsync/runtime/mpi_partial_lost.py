@@ -1,0 +1,129 @@
+"""Ranks lost by the k-of-n partial allreduce (`mpi_partial`), and how the others go on without them.
+
+A rank that stops between rounds (SIGSTOP, a hung host) takes no more tickets and reads no more rounds. The
+others go on while they can, up to `depth` rounds ahead, and then wait at the gate for it to read. With
+`tolerate` = t > 0 (backup workers: t = b, 000_...'s N of N + b gradients still come without b of them), a rank
+whose gate waited `timeout` seconds for ranks declares them lost instead of failing, as long as at most t are lost
+in all:
+
+* lost[r] <- the round r was to read next (`Fetch_and_op(MAX)`: idempotent, so several ranks may declare it);
+  the one whose answer was -1 says so in one line (rank, host, round);
+* the lowest live rank then reads for each lost one: for every round it has read itself from lost[r] on, it takes
+  r's ticket (after the round is complete, so the arrival arithmetic of later rounds in that ring entry holds, as
+  for a rank that is always late) and moves read[r] on, so the gate lets the others reuse the ring;
+* a round's quorum still comes from the live ranks; a margin stops waiting once every live rank arrived.
+
+A lost rank that comes back (SIGCONT) finds lost[rank] set at its next call and stops with `RankLost` rather than
+take tickets already taken for it. Limits: a rank stopped *inside* a round it counts in (its block of the sum not
+done) makes that round fail after `timeout` naming it, as before; the host of the windows (rank `host`) must not
+be the lost one across nodes (its memory serves the others; on one node MPICH's shared-memory windows go on).
+At the end the ranks first meet through flags (`leave_live`), not a barrier: one that never comes is lost there too
+(within `tolerate`), and with any rank lost the windows are left to the process's exit (freeing them is collective).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from collsync.runtime.mpi_windows import Backoff
+from collsync.runtime.mpi_world import RankLost
+
+
+class LostRanks:
+    """The lost-rank side of `PartialWindows` (see the module docstring); words at `_lost_at` and `_left` (n each)."""
+
+    MPI: Any
+    size: int
+    rank: int
+    round: int
+    timeout: float | None
+    tolerate: int
+    lost: dict[int, int]
+    _proxied: dict[int, int]
+    _hosts: list[str]
+    _who: str
+    _lost_at: int
+    _left: int
+    _read: int
+
+    if TYPE_CHECKING:  # PartialWindows' atomics and layout
+
+        def _fetch(self, disp: int, value: int, op: Any) -> int: ...
+        def _load(self, disp: int) -> int: ...
+        def _store(self, disp: int, value: int) -> None: ...
+        def _load_many(self, disp: int, count: int) -> Any: ...
+        def _entry_at(self, round_: int) -> int: ...
+
+    def host_of(self, rank: int) -> str:
+        return self._hosts[rank]
+
+    def _lose(self, late: Sequence[int], read: Sequence[int], round_: int) -> bool:
+        """The gate waited `timeout` for `late`: declare them lost if at most `tolerate` are then lost (True: wait
+        again, the lowest live rank reads for them); False: more than tolerated, fail as before."""
+        self._learn_lost()
+        fresh = [r for r in late if r not in self.lost]
+        if not late or len(self.lost) + len(fresh) > self.tolerate:
+            return False
+        for r in fresh:
+            if self._fetch(self._lost_at + r, int(read[r]), self.MPI.MAX) < 0:
+                print(
+                    f"{self._who}: partial allreduce: rank {r} on {self._hosts[r]} is lost (it has not read round "
+                    f"{int(read[r])} for {self.timeout}s, round {round_} waits on it); going on without it "
+                    f"(up to {self.tolerate} lost)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        self._learn_lost()
+        self._read_for_lost()
+        return True
+
+    def _learn_lost(self) -> None:
+        """Bring `lost` (rank -> the round it was to read next) up to date from the words."""
+        words = self._load_many(self._lost_at, self.size)
+        self.lost.update({r: int(w) for r, w in enumerate(words.tolist()) if w >= 0})
+
+    def _read_for_lost(self) -> None:
+        """On the lowest live rank: each lost rank's ticket for every round this rank has read, and its read[]."""
+        if not self.lost or self.rank != min(r for r in range(self.size) if r not in self.lost):
+            return
+        for r, since in self.lost.items():
+            upto = self._proxied.get(r, since)
+            for u in range(upto, self.round):  # complete rounds (read here): the ticket lands after their close
+                self._fetch(self._entry_at(u), 1, self.MPI.SUM)
+            if upto < self.round:
+                self._store(self._read + r, self.round)
+                self._proxied[r] = self.round
+
+    def _check_not_lost(self) -> None:
+        """A rank the others declared lost must not take part again (its tickets were taken for it)."""
+        since = self._load(self._lost_at + self.rank)
+        if since >= 0:
+            raise RankLost(
+                f"{self._who}: partial allreduce: the other ranks went on without this rank from round {since} (it "
+                f"was silent for {self.timeout}s); it cannot rejoin: end it, or restart the run"
+            )
+
+    def leave_live(self) -> list[int]:
+        """At the end, before the collective close: mark this rank done (left[rank] <- 1) and wait until every rank
+        not lost is, so none leaves while another still reads the windows. After `timeout`, ranks still missing are
+        declared lost if at most `tolerate` are then lost (else `RankLost` names them). Returns the lost ranks: none,
+        and the caller may close collectively; some, and the windows are left to the process's exit."""
+        self._store(self._left + self.rank, 1)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        backoff = Backoff(cap=0.01)
+        while True:
+            self._learn_lost()
+            left = self._load_many(self._left, self.size).tolist()
+            missing = [r for r in range(self.size) if not left[r] and r not in self.lost]
+            if not missing:
+                return sorted(self.lost)
+            if deadline is not None and time.monotonic() >= deadline:
+                read = self._load_many(self._read, self.size).tolist()
+                if not self._lose(missing, read, self.round):
+                    late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in missing)
+                    raise RankLost(f"{self._who}: partial allreduce: {late} never came to the end ({self.timeout}s)")
+                deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            backoff.wait()
