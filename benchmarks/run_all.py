@@ -87,6 +87,20 @@ def _torch_stragglers(d: dict[str, Any]) -> str:
     return "; ".join(f"{k} {_f(v['updates_vs_bsp'])}x bsp's updates/s" for k, v in d["modes"].items() if k != "bsp")
 
 
+def _horovod_stragglers(d: dict[str, Any]) -> str:
+    """Per scenario: the collsync side soonest to the reference's final accuracy, and the worst final accuracy."""
+    parts = []
+    for scenario, block in d["summary"].items():
+        rows = {k: v for k, v in block["sides"].items() if k != d["reference"]}
+        timed = {k: v["sooner_than_reference"] for k, v in rows.items() if v["sooner_than_reference"]}
+        best = max(timed, key=lambda k: timed[k]) if timed else None
+        worst = min(rows, key=lambda k: rows[k]["final_minus_reference"]) if rows else None
+        soonest = f"{best} {_f(timed[best])}x sooner" if best else "none reached it"
+        lowest = f"{worst} {100 * rows[worst]['final_minus_reference']:+.1f} points" if worst else ""
+        parts.append(f"{scenario}: {soonest}, lowest final {lowest}")
+    return "; ".join(parts)
+
+
 def _partial(d: dict[str, Any]) -> str:
     r = d["ratio_to_allreduce"]
     fresh = f" (a new mean tensor each round: {_f(r['partial_n_alloc'])})" if "partial_n_alloc" in r else ""
@@ -203,6 +217,16 @@ BENCHES = [
         _mpi(4, "torch_stragglers.py", "--serverless"),
         _mpi(2, "torch_stragglers.py", "--serverless", "--steps", "3", "--scale", "0.001"),
         _torch_stragglers,
+    ),
+    Bench(
+        "horovod_stragglers",
+        "examples/mnist.py (digits, 4 workers) with injected stragglers: time to Horovod's final accuracy, "
+        "final accuracy (benchmarks/README.md, Horovod's own script)",
+        "Horovod (`horovod.torch`), the same script and delays",
+        _py("horovod_stragglers.py"),
+        _py("horovod_stragglers.py", "--tiny"),
+        _horovod_stragglers,
+        ">= 1.5x sooner (heavy, slow), >= 1.0x (none), every final within 1 point",
     ),
     Bench(
         "mpi_soak",

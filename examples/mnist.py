@@ -6,11 +6,15 @@
 
 Switch to Horovod by changing the import line below to `import horovod.torch as hvd` (then only `--sync bsp`
 applies). Data: scikit-learn's bundled 8x8 digits by default, or MNIST IDX files from a folder you already have.
+`--compute`, `--straggle` and `--every-epoch` are for benchmarks/horovod_stragglers.py: a batch's compute time
+slept, stragglers injected the same way whichever import line, and worker 0's test accuracy after each epoch.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import time
 
 import numpy as np
 import torch
@@ -42,6 +46,12 @@ def load(mnist: str | None, seed: int) -> tuple[TensorDataset, TensorDataset, in
     return TensorDataset(x.reshape(len(x), -1), y), TensorDataset(xt.reshape(len(xt), -1), yt), x[0].numel()
 
 
+def evaluate(model: nn.Module, test: TensorDataset) -> torch.Tensor:
+    x, y = test.tensors
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sync", default="bsp", help="bsp | backup | async | ssp | psp (collsync only)")
@@ -58,6 +68,14 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=None, help="default 0.9 (0.7 under ssp)")
     parser.add_argument("--mnist", default=None, help="a folder with MNIST IDX files (default: bundled digits)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compute", type=float, default=0.0, help="seconds slept per batch (a larger model's)")
+    parser.add_argument(
+        "--straggle",
+        default="none",
+        choices=["none", "heavy", "slow"],
+        help="heavy: 10%% of batches take 0.2 s more; slow: the last worker computes 3x as long (3 x --compute)",
+    )
+    parser.add_argument("--every-epoch", action="store_true", help="worker 0's test accuracy after each epoch")
     args = parser.parse_args()
 
     options = {}
@@ -87,19 +105,24 @@ def main() -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **options)
 
+    draws = random.Random(args.seed * 7919 + hvd.rank())  # the same delays whichever import line
+    slow = args.straggle == "slow" and hvd.rank() == hvd.size() - 1
+    start = time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            straggle = 0.2 if args.straggle == "heavy" and draws.random() < 0.1 else 0.0
+            time.sleep(args.compute * (3 if slow else 1) + straggle)
             optimizer.step()
         if hvd.rank() == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}", flush=True)
+            took = time.perf_counter() - start
+            seen = f", test accuracy {evaluate(model, test):.4f} at {took:.3f} s" if args.every_epoch else ""
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}{seen}", flush=True)
 
-    x, y = test.tensors
-    with torch.no_grad():
-        accuracy = (model(x).argmax(1) == y).float().mean()
+    accuracy = evaluate(model, test)
     accuracy = hvd.allreduce(accuracy, op=hvd.Average)  # the workers' models differ under async modes
     dropped = hvd.allreduce(torch.tensor(float(getattr(optimizer, "dropped", 0))), op=hvd.Sum)
     if hvd.rank() == 0:

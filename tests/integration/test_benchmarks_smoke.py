@@ -60,6 +60,11 @@ def _check(name: str, data: dict[str, Any]) -> None:
     elif name == "mpi_psp":
         rows = [v for v in data.values() if isinstance(v, dict)]
         assert len(rows) == 3 and all(0.0 <= r["final_acc"] <= 1.0 for r in rows)
+    elif name == "horovod_stragglers":
+        assert all(run["ok"] for run in data["runs"]) and len(data["runs"]) == 2
+        block = data["summary"]["heavy"]
+        assert set(block["sides"]) == {data["reference"], "backup"} and 0.0 < block["target"] <= 1.0
+        assert all(0.0 <= row["final"]["median"] <= 1.0 for row in block["sides"].values())
     elif name.startswith("torch_stragglers"):
         assert "bsp" in data["modes"] and len(data["modes"]) >= 2
     else:

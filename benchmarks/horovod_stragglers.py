@@ -1,0 +1,213 @@
+"""Issue 24's measurement: the Horovod-style script examples/mnist.py under Horovod and under collsync's modes, with
+the same stragglers injected on every side; time to Horovod's own final accuracy, and final accuracy.
+
+    .venv/bin/python benchmarks/horovod_stragglers.py                    # 5 repeats x 7 sides x 3 scenarios
+    .venv/bin/python benchmarks/horovod_stragglers.py --repeats 3 --scenarios heavy --sides horovod bsp backup
+    .venv/bin/python benchmarks/horovod_stragglers.py --tiny --out /tmp/h.json   # the smoke run
+
+Sides: `horovod` (the example with its import line switched to `horovod.torch`; where Horovod is not installed the
+side is left out, said so in the JSON, and collsync's bsp is the reference instead), and collsync's `bsp`, `backup`
+(b = 1, margin "auto"), `async`, `psp`, `ssp`, `specsync`, each with `--workers` workers (the server modes launch
+one rank more, the server). Scenarios (examples/mnist.py `--straggle`): `none`; `heavy`, 10% of batches 0.2 s
+longer; `slow`, the last worker computing 3x as long. Every batch sleeps `--compute` seconds besides (a larger
+model's compute, so that 3x means something), and the delays come from a generator seeded by the repeat and the
+worker: the same on every side. The runs are interleaved (repeat r runs every scenario and side before repeat
+r + 1), each launch is timed by the script itself from the start of training, and the load average is recorded
+before each.
+
+Reported per scenario and side: the final accuracy (the workers' mean test accuracy at the end) as median and
+range; the time to the reference's own final accuracy (the median of the reference's final accuracies in that
+scenario), from worker 0's test accuracy after each epoch (the first epoch at or above it; a run that never gets
+there counts as not reaching it), as median and range over the runs that reached it; and the ratio of the
+reference's median time to it (> 1: sooner than Horovod). One JSON (`--out`) holds every run and the summary; the
+markdown table for benchmarks/README.md is printed (and written to `--table`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+EXAMPLE = ROOT / "examples" / "mnist.py"
+BIN = Path(sys.executable).parent
+SIDES = ["horovod", "bsp", "backup", "async", "psp", "ssp", "specsync"]
+SERVER_SIDES = {"async", "psp", "ssp", "specsync"}
+SCENARIOS = ["none", "heavy", "slow"]
+IMPORT = "import collsync.torch as hvd  # was: import horovod.torch as hvd"
+EPOCH = re.compile(r"epoch (\d+)/\d+: loss \S+, test accuracy ([0-9.]+) at ([0-9.]+) s")
+FINAL = re.compile(r"test accuracy: ([0-9.]+)")
+DROPPED = re.compile(r"gradients dropped: (\d+)")
+
+
+def have_horovod() -> bool:
+    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True)
+    return probe.returncode == 0
+
+
+def horovod_script(folder: Path) -> Path:
+    """examples/mnist.py with its import line switched to Horovod, as a user would switch it."""
+    source = EXAMPLE.read_text()
+    if IMPORT not in source:
+        raise SystemExit(f"horovod_stragglers: {EXAMPLE} has no line {IMPORT!r} to switch")
+    script = folder / "mnist_horovod.py"
+    script.write_text(source.replace(IMPORT, "import horovod.torch as hvd"))
+    return script
+
+
+def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horovod: Path | None) -> dict[str, Any]:
+    """One run of the example; its epochs (seconds, worker 0's accuracy), final accuracy and drops."""
+    ranks = args.workers + (1 if side in SERVER_SIDES else 0)
+    script = horovod if side == "horovod" else EXAMPLE
+    sync = "bsp" if side == "horovod" else side
+    argv = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, str(script), "--sync", sync]
+    argv += ["--epochs", str(args.epochs), "--compute", str(args.compute), "--straggle", scenario]
+    argv += ["--every-epoch", "--seed", str(repeat)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    run: dict[str, Any] = {"side": side, "scenario": scenario, "repeat": repeat, "load_before": os.getloadavg()}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {**run, "ok": False, "error": f"no end within {args.timeout} s"}
+    run["wall_s"] = time.monotonic() - start
+    final = FINAL.findall(proc.stdout)
+    if proc.returncode != 0 or not final:
+        return {**run, "ok": False, "error": (proc.stderr or proc.stdout)[-600:]}
+    epochs = [(float(t), float(a)) for _, a, t in EPOCH.findall(proc.stdout)]
+    dropped = DROPPED.findall(proc.stdout)
+    return {
+        **run,
+        "ok": True,
+        "epochs": epochs,
+        "final": float(final[-1]),
+        "dropped": int(dropped[-1]) if dropped else 0,
+    }
+
+
+def time_to(epochs: list[list[float]], target: float) -> float | None:
+    """Seconds to the first epoch whose accuracy is at least `target` (None: never)."""
+    return next((t for t, a in epochs if a >= target - 1e-9), None)
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+
+def summarise(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:
+    """Per scenario and side: final accuracy, time to the reference's median final accuracy, ratios."""
+    out: dict[str, Any] = {}
+    for scenario in sorted({r["scenario"] for r in runs}, key=SCENARIOS.index):
+        ok = [r for r in runs if r["scenario"] == scenario and r["ok"]]
+        ref = [r["final"] for r in ok if r["side"] == reference]
+        target = statistics.median(ref) if ref else None
+        rows: dict[str, Any] = {}
+        for side in [s for s in SIDES if any(r["side"] == s for r in ok)]:
+            mine = [r for r in ok if r["side"] == side]
+            times = [t for r in mine if target is not None and (t := time_to(r["epochs"], target)) is not None]
+            rows[side] = {
+                "runs": len(mine),
+                "final": spread([r["final"] for r in mine]),
+                "reached": len(times),
+                "time_to_target": spread(times),
+                "dropped": spread([float(r["dropped"]) for r in mine]) if side == "backup" else None,
+                "failed": len([r for r in runs if r["scenario"] == scenario and r["side"] == side and not r["ok"]]),
+            }
+        base = rows.get(reference, {}).get("time_to_target")
+        for row in rows.values():
+            here = row["time_to_target"]
+            row["sooner_than_reference"] = base["median"] / here["median"] if base and here else None
+            row["final_minus_reference"] = row["final"]["median"] - target if target is not None else None
+        out[scenario] = {"target": target, "sides": rows}
+    return out
+
+
+def table(summary: dict[str, Any], reference: str) -> str:
+    """The markdown table for benchmarks/README.md."""
+    lines = [
+        f"| scenario | side | time to {reference}'s final accuracy, s (median, range; runs reaching it) | x sooner "
+        f"than {reference} | final accuracy (median, range) | vs {reference}, points |",
+        "|---|---|---|---:|---|---:|",
+    ]
+    for scenario, block in summary.items():
+        for side, row in block["sides"].items():
+            t, f = row["time_to_target"], row["final"]
+            when = f"{t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f})" if t else "never"
+            sooner = f"{row['sooner_than_reference']:.2f}" if row["sooner_than_reference"] else "-"
+            points = row["final_minus_reference"]
+            lines.append(
+                f"| {scenario} (target {block['target']:.3f}) | {side} | {when}; {row['reached']}/{row['runs']} | "
+                f"{sooner} | {f['median']:.3f} ({f['min']:.3f}-{f['max']:.3f}) | "
+                f"{100 * points:+.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--compute", type=float, default=0.01, help="seconds slept per batch on every worker")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=SCENARIOS)
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=SIDES)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take")
+    parser.add_argument(
+        "--tiny", action="store_true", help="smoke run: 1 repeat, 1 epoch, 2 workers, heavy, horovod and backup"
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--table", type=Path, default=None, help="also write the markdown table here")
+    args = parser.parse_args()
+    if args.tiny:
+        args.repeats, args.epochs, args.workers, args.scenarios = 1, 1, 2, ["heavy"]
+        args.sides = [s for s in args.sides if s in ("horovod", "backup")] + ([] if have_horovod() else ["bsp"])
+    sides = list(args.sides)
+    missing = "horovod" in sides and not have_horovod()
+    if missing:
+        sides.remove("horovod")
+    reference = "horovod" if "horovod" in sides else "bsp"
+    if reference not in sides:
+        raise SystemExit(f"horovod_stragglers: the reference side {reference} is not among --sides")
+    runs = []
+    with tempfile.TemporaryDirectory() as folder:
+        horovod = horovod_script(Path(folder)) if "horovod" in sides else None
+        for repeat in range(args.repeats):
+            for scenario in args.scenarios:
+                for side in sides:
+                    run = launch(side, scenario, repeat, args, horovod)
+                    runs.append(run)
+                    said = f"final {run['final']:.3f}" if run["ok"] else f"FAILED: {run['error'][-200:]}"
+                    print(f"repeat {repeat} {scenario} {side}: {said}", flush=True)
+    summary = summarise(runs, reference)
+    shown = table(summary, reference)
+    print(shown, flush=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "table")}
+    result = {
+        "command": "python benchmarks/horovod_stragglers.py " + " ".join(sys.argv[1:]),
+        "config": {**config, "sides": sides},
+        "reference": reference,
+        "horovod_missing": missing,
+        "load_before": runs[0]["load_before"] if runs else None,
+        "summary": summary,
+        "runs": runs,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.table:
+        args.table.write_text(shown + "\n")
+    if not all(r["ok"] for r in runs):
+        raise SystemExit(f"horovod_stragglers: {sum(not r['ok'] for r in runs)} run(s) failed (see the JSON)")
+
+
+if __name__ == "__main__":
+    main()
