@@ -110,16 +110,23 @@ class WindowMailbox(Windows):
         # Worker: give up once the server has shown no sign of life (no publish, our push not taken) for this long.
         self.silence: float | None = None
         self._heard = (-1, time.monotonic())  # (the last header seq seen, when it was first seen)
+        # When a round trip to the server last completed (a control word read): a worker's watchdog thread reads it
+        # to tell a worker blocked inside MPI towards an unreachable server (`collsync.runtime.watchdog`).
+        self.answered = time.monotonic()
         self.bytes_pushed = 0
         self.bytes_fetched = 0
 
     # -- control words (atomics) -------------------------------------------------------------------------------
     def _load(self, disp: int) -> int:
-        return self._ctrl.load(disp)
+        value = self._ctrl.load(disp)
+        self.answered = time.monotonic()
+        return value
 
     def _load_header(self) -> np.ndarray:
         """seq, version, done, signal in one atomic-per-word read, not four round trips."""
-        return self._ctrl.load_many(0, self._hdr)
+        header = self._ctrl.load_many(0, self._hdr)
+        self.answered = time.monotonic()
+        return header
 
     def _store(self, disp: int, value: int) -> None:
         self._ctrl.store(disp, value)

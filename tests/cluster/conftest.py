@@ -1,5 +1,6 @@
-"""tests/cluster run across the hosts of a cluster in one box (scripts/cluster.py): brought up once per session,
-always taken down after. Where it cannot be made (not root, no iproute2), every test skips saying why."""
+"""tests/cluster run across the hosts of a cluster in one box (scripts/cluster.py): brought up once per session and
+taken down after, unless it was up before the session (then it is someone's, and stays). Where it cannot be made
+(not root, no iproute2), every test skips saying why."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ def box() -> Iterator[None]:
     proc = cluster("up", "--hosts", "3", "--link", "none", check=False)
     if proc.returncode != 0:
         pytest.skip(proc.stderr.strip() or proc.stdout.strip())
+    kept = "already up" in proc.stdout
     try:
         yield
     finally:
-        cluster("down", check=False)
+        if not kept:
+            cluster("down", check=False)
 
 
 @pytest.fixture(params=["mpich", "openmpi"])
