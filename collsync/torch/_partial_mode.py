@@ -64,7 +64,10 @@ class PartialMode(Mode):
             depth=config.depth,
             timeout=policy.deadline,
             margin=config.margin,
-            tolerate=max(k for k in range(workers) if policy.tolerates(k, workers)),
+            # Lost ranks the others go on without: what the policy tolerates, while the quorum can still come.
+            tolerate=min(
+                workers - self.quorum, max((k for k in range(workers) if policy.tolerates(k, workers)), default=0)
+            ),
         )
 
     def synchronize(self) -> None:

