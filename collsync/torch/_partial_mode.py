@@ -4,7 +4,8 @@ the default `margin="auto"`, every other one that comes within the margin the me
 (`backups.Margin`: with nobody straggling, every round takes all n); every replica applies that same mean with the
 user's optimizer, and a gradient that came later is dropped and counted (`dropped`). `margin=None` takes exactly
 n - b every round (the paper's fixed b). A worker whose round is already complete reads the mean without
-contributing.
+contributing. A worker silent for the deadline is lost: the others go on without it while at most b are
+(`runtime.mpi_partial_lost`), `lost` names it after `close()`, and the process exits 0 without `MPI_Finalize`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ class PartialMode(Mode):
                 what="DistributedOptimizer: the gradient allreduce",
             )
             return
-        self._world_ranks: list[int] = st.comm.allgather(st.world.Get_rank())  # to name a lost worker
         self.pa = PartialAllreduce(
             st.comm,
             self.flat.buf.numel(),
@@ -104,9 +104,11 @@ class PartialMode(Mode):
         if pa is not None and pa.tolerate and pa.leave_live():
             # Ranks lost (at most the backups): the windows' free and the world's end are collective and would wait
             # for them, so this process ends at exit without either (as the server modes' workers do).
+            ranks = sorted(pa.lost)
+            world = self.st.comm.Get_group().Translate_ranks(ranks, self.st.world.Get_group())  # local: no message
             self._lost = [
-                {"rank": r, "world_rank": self._world_ranks[r], "host": pa.host_of(r), "last_update": since - 1}
-                for r, since in sorted(pa.lost.items())
+                {"rank": r, "world_rank": w, "host": pa.host_of(r), "last_update": pa.lost[r] - 1}
+                for r, w in zip(ranks, world, strict=True)
             ]
             self.st.lost = self._lost
             exit_without_finalize()
