@@ -29,6 +29,8 @@ from collsync.runs.resume import checkpoints, rank0_keeper, restore, resume_coun
 from collsync.runtime.mpi_checkpoint import ShardStates
 from collsync.runtime.mpi_shards import TAG_END, Shards, gather_within
 from collsync.runtime.mpi_specsync import SchedulerService, Speculator, install_safe_points
+from collsync.runtime.mpi_world import leave_at_exit, open_mpi
+from collsync.runtime.watchdog import agree_on_the_end, end_job_at_exit, worker_watchdog
 from collsync.server import Server
 from collsync.trace import Trace
 
@@ -265,7 +267,8 @@ class ShardRun:
         grads = launch.grads
         if launch.sampler is not None:
             grads = injected(grads, launch.sampler, spec.time_scale, lambda: mailbox.peek().done, check)
-        run_worker(worker, mailbox, grads, torch.empty_like(launch.flat.params), self.speculator, wait)
+        with worker_watchdog(shards.mailboxes, self.comm.Get_rank(), silence):
+            run_worker(worker, mailbox, grads, torch.empty_like(launch.flat.params), self.speculator, wait)
         if self.speculator is not None:
             self.speculator.close(policy.deadline)
             moved = (mailbox.bytes_pushed, mailbox.bytes_fetched, self.speculator.resync_bytes)
@@ -285,18 +288,19 @@ class ShardRun:
 
     # -- the end ------------------------------------------------------------------------------------------------
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> bool:
         """Collective: free the windows and the communicators. No `finally: close()` around a run: freeing is
         collective, and after a failure the other ranks are not there to join it (cli._fail aborts the world).
-        `timeout`: a rank not there by then (a lost worker) leaves everything as it is, to the process's exit."""
+        `timeout`: a rank not there by then (a lost worker) leaves everything to the exit. Whether all was freed."""
         if self.shards is not None and not self.shards.close(while_waiting=self.answering, timeout=timeout):
-            return
+            return False
         if self.spec_comm is not None:
             self.spec_comm.Free()
         if self.states is not None:
             self.states.free()
         if self.train_comm is not self.comm:
             self.train_comm.Free()
+        return True
 
     def finish(self) -> dict[str, Any] | None:
         """collsync-train, every rank: rank 0 gathers the shards' blocks and counts, the workers' partial pulls and
@@ -315,11 +319,22 @@ class ShardRun:
                 moved = [b for b in gathered or [] if isinstance(b, tuple)]
                 remote = next((b for b in gathered or [] if isinstance(b, dict)), None)  # a scheduler rank's own
                 specsync = specsync_summary(self.service, moved, remote)
-        self.close(timeout=bound)
+        # A rank gone: rank 0 tells the others; none frees the windows (collective: it would touch the rank gone).
+        gone = agree_on_the_end(self.comm, blocks, bool(skip), bound)
+        closed = False if gone else self.close(timeout=bound)
+        if not closed:
+            # Every rank: MPI_Finalize would wait for the rank that is gone. Under MPICH the others wait at their exit
+            # for rank 0's abort (below), which ends them once the run folder is written (at most twice its grace).
+            mpich_wait = 0.0 if open_mpi() or self.comm.Get_rank() == 0 else 2 * grace(deadline)
+            leave_at_exit(linger=mpich_wait)
         if self.comm.Get_rank() != 0:
             return None
         server, launch, trace = self.server, self.launch, self.trace
         assert server is not None and launch is not None and trace is not None and self.shards is not None
+        if not closed and not open_mpi():
+            # Not under Open MPI: its MPI_Abort under `mpirun --enable-recovery` ends this rank alone and prints a
+            # failure; there every rank leaves by itself at its exit (rank 0 told each that a rank is gone).
+            end_job_at_exit(self.comm)
         lost = lost_workers(trace, [r for r, b in enumerate(blocks) if b is None], launch.hosts)
         params = torch.cat([b[0] for b in blocks[:servers]])
         ema = None if server.ema is None else torch.cat([b[1] for b in blocks[:servers]])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -29,6 +30,8 @@ __all__ = [
     "hello",
     "gate",
     "lost",
+    "leave_at_exit",
+    "open_mpi",
 ]
 
 
@@ -262,6 +265,30 @@ def abort(comm: Any, code: int) -> None:
     comm.Abort(code)
     # Abort returns only where the world is already being torn down (another rank aborted first): leave anyway.
     os._exit(code)
+
+
+def open_mpi() -> bool:
+    """Whether the MPI library is Open MPI (whose `mpirun --enable-recovery` keeps a job whose rank died)."""
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    return MPI.Get_library_version().startswith("Open MPI")
+
+
+def _leave(code: int, linger: float) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(linger)
+    os._exit(code)
+
+
+def leave_at_exit(code: int = 0, linger: float = 0.0) -> None:
+    """After a rank was lost: end this process at its exit with `code` and without `MPI_Finalize`, which would
+    wait for the lost rank (MPICH's waits on every rank of the world; Open MPI's on windows a dead rank never
+    frees). Registered after mpi4py's own exit hook (which finalizes), so it runs first; what the process does
+    before it exits (rank 0 writing the run folder, Hydra's own end) runs as usual. `linger`: seconds to wait
+    first, for another rank to end the job (MPICH's Hydra sends SIGUSR1, a stop to collsync, to the ranks left
+    once one exits without `MPI_Finalize`: a rank that leaves early stops one still writing the run folder)."""
+    atexit.register(_leave, code, linger)
 
 
 @contextlib.contextmanager

