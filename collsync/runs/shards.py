@@ -322,18 +322,13 @@ class ShardRun:
         # A rank gone: rank 0 tells the others; none frees the windows (collective: it would touch the rank gone).
         gone = agree_on_the_end(self.comm, blocks, bool(skip), bound)
         closed = False if gone else self.close(timeout=bound)
-        if not closed:
-            # Every rank: MPI_Finalize would wait for the rank that is gone. Under MPICH the others wait at their exit
-            # for rank 0's abort (below), which ends them once the run folder is written (at most twice its grace).
-            mpich_wait = 0.0 if open_mpi() or self.comm.Get_rank() == 0 else 2 * grace(deadline)
-            leave_at_exit(linger=mpich_wait)
+        if not closed:  # no MPI_Finalize (it waits for the rank gone); under MPICH the others wait for rank 0's abort
+            leave_at_exit(linger=0.0 if open_mpi() or self.comm.Get_rank() == 0 else 2 * grace(deadline))
         if self.comm.Get_rank() != 0:
             return None
         server, launch, trace = self.server, self.launch, self.trace
         assert server is not None and launch is not None and trace is not None and self.shards is not None
-        if not closed and not open_mpi():
-            # Not under Open MPI: its MPI_Abort under `mpirun --enable-recovery` ends this rank alone and prints a
-            # failure; there every rank leaves by itself at its exit (rank 0 told each that a rank is gone).
+        if not closed and not open_mpi():  # Open MPI's abort under --enable-recovery ends this rank alone
             end_job_at_exit(self.comm)
         lost = lost_workers(trace, [r for r, b in enumerate(blocks) if b is None], launch.hosts)
         params = torch.cat([b[0] for b in blocks[:servers]])
