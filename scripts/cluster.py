@@ -84,6 +84,10 @@ exec ip netns exec "$host" unshare -u sh -c 'hostname "$0"; exec sh -c "$*"' "$h
 """
 MPICH = """#!/bin/sh
 # Written by scripts/cluster.py: MPICH's mpiexec run on the first host, starting ranks on hosts through DIR/bin/launch.
+# UCX (the wheel's netmod) would carry every message between the hosts through shared memory (/dev/shm and the
+# kernel are the same for every namespace, and UCX's shm transports see one machine): tcp and self only, so that
+# ranks on different hosts talk over the hosts' links (which link models, cut and mend then act on).
+export UCX_TLS="${{UCX_TLS:-tcp,self}}"
 exec ip netns exec {head} unshare -u sh -c 'hostname {head}; exec "$@"' sh {mpiexec} -launcher rsh \\
     -launcher-exec {launch} "$@"
 """

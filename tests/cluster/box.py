@@ -76,21 +76,35 @@ def finished(folder: Path, proc: subprocess.CompletedProcess[str], name: str) ->
     return summary(folder / name)
 
 
+def ranks_on(host: str) -> list[int]:
+    """The processes of MPI ranks (`python -m mpi4py`) left on `host`, a launcher's proxy or daemon not counted."""
+    listed = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout.split()
+    ranks = []
+    for pid in listed:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # ended meanwhile
+        if b"mpi4py" in argv:
+            ranks.append(int(pid))
+    return ranks
+
+
 class Watched:
-    """A launch whose stderr (rank 0's progress bar) is read as it comes, in a process group of its own so that the
-    whole launch can be ended."""
+    """A launch whose output (stdout and stderr together: rank 0's progress bar and log) is read as it comes, in a
+    process group of its own so that the whole launch can be ended."""
 
     def __init__(self, cmd: list[str], cwd: Path) -> None:
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=ENV, start_new_session=True
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=ENV, start_new_session=True
         )
         self.err: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in iter(lambda: self.proc.stderr.read(1), ""):  # type: ignore[union-attr]
+        assert self.proc.stdout is not None
+        for line in iter(lambda: self.proc.stdout.read(1), ""):  # type: ignore[union-attr]
             self.err.append(line)
 
     def text(self) -> str:
