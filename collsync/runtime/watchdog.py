@@ -111,6 +111,7 @@ def end_job_at_exit(comm: Any) -> None:
 # Rank 0 -> every rank that answered the final gather: whether a rank is gone (`tell_the_end`). After the gathers'
 # tags (`mpi_shards.TAG_END` = 77 and SpecSync's 78).
 TAG_VERDICT = 79
+_TOLD: list[Any] = []  # rank 0's sends of the word (tell_the_end)
 
 
 def agree_on_the_end(comm: Any, blocks: list[Any], lost: bool, timeout: float | None) -> bool:
@@ -123,6 +124,9 @@ def agree_on_the_end(comm: Any, blocks: list[Any], lost: bool, timeout: float | 
     if comm.Get_rank() == 0:
         gone = lost or any(b is None for b in blocks)
         tell_the_end(comm, gone, [r for r, b in enumerate(blocks) if b is not None])
+        if not gone:
+            while _TOLD:  # every rank is there to take its word, and MPI_Finalize follows: complete the sends
+                _TOLD.pop().wait()
         return gone
     return bool(hear_the_end(comm, None if timeout is None else 3 * timeout))
 
@@ -133,7 +137,9 @@ def tell_the_end(comm: Any, gone: bool, answered: Collection[int]) -> None:
     (MPICH's UCX: once the connection attempt fails, the error aborts the job, the run folder unwritten)."""
     for r in answered:
         if r != 0:
-            comm.isend(gone, dest=r, tag=TAG_VERDICT)  # small: sent eagerly; rank 0 closes or aborts after
+            # Kept: a request dropped before it completes may free its (pickled) buffer under MPI; completed in
+            # agree_on_the_end where no rank is gone, left to the abort where one is.
+            _TOLD.append(comm.isend(gone, dest=r, tag=TAG_VERDICT))
 
 
 def hear_the_end(comm: Any, timeout: float | None) -> bool | None:
@@ -147,4 +153,5 @@ def hear_the_end(comm: Any, timeout: float | None) -> bool | None:
             return bool(gone)
         backoff.wait()
     request.Cancel()
+    request.Wait()  # a cancelled receive still completes (MPI_Finalize would find it pending otherwise)
     return None
