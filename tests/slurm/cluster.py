@@ -76,3 +76,18 @@ def sbatch(cwd: Path, *args: str) -> str:
     proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=60, cwd=cwd)
     assert proc.returncode == 0, f"sbatch {' '.join(args)}: {proc.stderr.strip()}"
     return proc.stdout.strip().split(";")[0]
+
+
+def start_requeued_now(job: str, scontrol: tuple[str, ...] = ("scontrol",), timeout: float = 120.0) -> None:
+    """Slurm holds a requeued job back for 120 s (its BeginTime) before it may start again: a cluster's pause that a
+    test need not sit through, so once the job is pending again its start time is set to now."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = subprocess.run([*scontrol, "-o", "show", "job", job], capture_output=True, text=True, timeout=30)
+        restarts = re.search(r"Restarts=(\d+)", shown.stdout)
+        if "JobState=PENDING" in shown.stdout and restarts and int(restarts.group(1)) >= 1:
+            subprocess.run([*scontrol, "update", f"jobid={job}", "StartTime=now"], timeout=30, check=True)
+            return
+        if any(f"JobState={state}" in shown.stdout for state in FINAL):
+            return
+        time.sleep(0.2)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.slurm.cluster import start_requeued_now
+
 MULTI = Path(os.environ.get("COLLSYNC_SLURM_MULTI_DIR", "/tmp/collsync-slurm-multi"))
 ON_HEAD = MULTI / "bin" / "on-head"
 START = "bash scripts/cluster_up.sh && COLLSYNC_SLURM_HOSTS='node0 node1 node2' bash scripts/slurm_up.sh " + str(MULTI)
@@ -75,3 +77,57 @@ def test_sbatch_train_runs_across_two_nodes(nodes, tmp_path):
     assert result["updates"] == 60
     hosts = result.get("hosts")
     assert hosts is not None and len(hosts) == 4 and len(set(hosts)) == 2 and set(hosts) <= set(nodes), hosts
+
+
+def submitted(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def test_sweep_array_spreads_over_the_nodes(nodes, tmp_path):
+    """slurm/sweep_array.sbatch, three tasks each given a whole node (--exclusive): each ran, each on its own node."""
+    script = Path(__file__).resolve().parents[2] / "slurm" / "sweep_array.sbatch"
+    lines = tmp_path / "sweep.txt"
+    lines.write_text("".join(f"sync=async seed={seed} steps=40 eval_every=20 progress=false\n" for seed in range(3)))
+    args = ["sbatch", "--parsable", "--array=0-2", "--exclusive", "-N", "1", "--ntasks=2", "--overcommit"]
+    job = submitted(head(*args, str(script), str(lines), cwd=tmp_path))
+    tasks = [f"{job}_{i}" for i in range(3)]
+    states = {task: wait(task) for task in tasks}
+    log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert set(states.values()) == {"COMPLETED"}, (states, log[-3000:])
+    hosts = [
+        json.loads((tmp_path / "outputs" / f"slurm-{job}" / str(i) / "summary.json").read_text())["hosts"]
+        for i in range(3)
+    ]
+    assert all(len(set(h)) == 1 for h in hosts), hosts  # -N 1: each task's ranks on one node
+    assert sorted(h[0] for h in hosts) == sorted(nodes[:3]), hosts  # and the three tasks on three nodes
+
+
+def test_a_requeued_job_resumes_on_another_node(nodes, tmp_path):
+    """The node of the first attempt is drained (as a failing node is) while it runs; USR1 (Slurm's warning before
+    the time limit) checkpoints and requeues; the next attempt lands on another node and resumes there."""
+    script = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"
+    args = ["sbatch", "--parsable", "-N", "1", "--ntasks=2", "--overcommit", str(script)]
+    overrides = ["runtime=mpi", "sync=bsp", "steps=150", "checkpoint.every=10", "eval_every=100", "progress=false"]
+    job = submitted(head(*args, *overrides, cwd=tmp_path))
+    run = tmp_path / "outputs" / f"slurm-{job}"
+    deadline = time.monotonic() + 180
+    while not (run / "checkpoint.pt").exists():
+        assert time.monotonic() < deadline, head("scontrol", "show", "job", job).stdout
+        time.sleep(0.2)
+    first = re.search(r" NodeList=(\S+)", head("scontrol", "show", "job", job).stdout).group(1)
+    head("scontrol", "update", f"nodename={first}", "state=drain", "reason=collsync-test")
+    try:
+        head("scancel", "--batch", "--signal=USR1", job)
+        start_requeued_now(job, (str(ON_HEAD), "scontrol"))
+        state = wait(job)
+    finally:
+        head("scontrol", "update", f"nodename={first}", "state=resume")
+    log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert state == "COMPLETED", log[-3000:]
+    assert "stopped by SIGUSR1 at server step" in log, log[-3000:]
+    result = json.loads((run / "summary.json").read_text())
+    assert result["updates"] == 150 and "incomplete" not in result
+    assert first not in result["hosts"] and len(set(result["hosts"])) == 1, (first, result["hosts"])
+    resumed = [json.loads(line) for line in (run / "trace.jsonl").open() if '"resume"' in line]
+    assert len(resumed) == 1 and 0 < resumed[0]["version"] < 150

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from tests.slurm.cluster import ROOT, job_states, sbatch, wait_for
+from tests.slurm.cluster import ROOT, job_states, sbatch, start_requeued_now, wait_for
 
 PY = sys.executable
 
@@ -40,6 +40,7 @@ def test_usr1_checkpoints_requeues_and_the_next_attempt_resumes(cluster, submit_
         time.sleep(0.2)
     # As Slurm does before a time limit: USR1 to the batch shell only.
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=30)
+    start_requeued_now(job)
     states = wait_for(job, "train.sbatch: USR1, requeue, resume", timeout=300)
     log = "\n".join(p.read_text() for p in submit_dir.glob(f"slurm-*-{job}.out"))
     assert states[job] == "COMPLETED", log[-3000:]
