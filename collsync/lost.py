@@ -12,6 +12,23 @@ from collsync.runtime import ServingMailbox
 from collsync.server import Server
 from collsync.types import Arrival
 
+# How long rank 0 may take to write the run folder (evaluation, trace, plots) once a deadline fired, a divergence
+# or a signal stopped it: the other ranks wait that long before their own error aborts the world (rank 0 aborts it
+# as soon as it is done), and a worker waits that much longer than the deadlines on a silent server.
+SAVE_GRACE_S = 30.0
+
+
+def grace(deadline: float | None) -> float:
+    """`SAVE_GRACE_S`, shorter where the user asked for short deadlines (they would rather fail fast)."""
+    return SAVE_GRACE_S if deadline is None else min(SAVE_GRACE_S, max(3.0, 3 * deadline))
+
+
+def silence_bound(deadline: float | None) -> float | None:
+    """How long a worker waits on a silent server (its watchdog's bound): twice the server's deadline plus the
+    grace, so that the server's own deadline comes first."""
+    return None if deadline is None else 2 * deadline + grace(deadline)
+
+
 # The least a server sleeps between two looks for lost workers (the deadline counts in seconds).
 LOST_POLL_S = 0.05
 

@@ -24,6 +24,7 @@ from collsync.checkpoint import Preempted
 from collsync.data import Dataset
 from collsync.flat import FlatModel
 from collsync.loops import GradFn, check_policy
+from collsync.lost import SAVE_GRACE_S
 from collsync.policy import SyncPolicy
 from collsync.rules import combine, gradual_warmup, linear_scaling
 from collsync.rules.base import Rule
@@ -184,17 +185,6 @@ def progress(total: int, enabled: bool) -> tqdm | None:
     from tqdm.auto import tqdm as bar  # lazy: tqdm is needed only where a bar is shown
 
     return bar(total=total, desc="updates", unit="upd", leave=False, dynamic_ncols=True)
-
-
-# How long rank 0 may take to write the run folder (evaluation, trace, plots) once a deadline fired, a divergence
-# or a signal stopped it: the other ranks wait that long before their own error aborts the world (rank 0 aborts it
-# as soon as it is done), and a worker waits that much longer than the deadlines on a silent server.
-SAVE_GRACE_S = 30.0
-
-
-def grace(deadline: float | None) -> float:
-    """`SAVE_GRACE_S`, shorter where the user asked for short deadlines (they would rather fail fast)."""
-    return SAVE_GRACE_S if deadline is None else min(SAVE_GRACE_S, max(3.0, 3 * deadline))
 
 
 @contextlib.contextmanager

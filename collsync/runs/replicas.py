@@ -11,9 +11,10 @@ from typing import Any
 
 from collsync.evaluate import Evaluator
 from collsync.loops import GradFn, run_allreduce, run_partial
+from collsync.lost import grace
 from collsync.rundir import write_run
 from collsync.runs.delays import injected
-from collsync.runs.parts import Launch, grace, keep_on_failure, make_server, progress
+from collsync.runs.parts import Launch, keep_on_failure, make_server, progress
 from collsync.runs.resume import replicas_resume
 from collsync.runtime.mpi_buckets import BucketReducer
 from collsync.runtime.mpi_coll import MpiCollective, shutdown

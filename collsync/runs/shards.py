@@ -21,10 +21,11 @@ from collsync.checkpoint import Keeper
 from collsync.checks import check_trace
 from collsync.evaluate import Evaluator
 from collsync.loops import Worker, run_server, run_worker
+from collsync.lost import grace, silence_bound
 from collsync.policy import SyncPolicy
 from collsync.rundir import save_incomplete, write_run
 from collsync.runs.delays import injected
-from collsync.runs.parts import Launch, grace, keep_on_failure, make_server, progress, scheduler_ranks
+from collsync.runs.parts import Launch, keep_on_failure, make_server, progress, scheduler_ranks
 from collsync.runs.resume import checkpoints, rank0_keeper, restore, resume_counts, shard_parts, shard_state
 from collsync.runtime.mpi_checkpoint import ShardStates
 from collsync.runtime.mpi_shards import TAG_END, Shards, gather_within
@@ -249,7 +250,7 @@ class ShardRun:
         policy, spec = sv.policy, launch.parts.runtime
         # A worker gives up on a silent server after twice the deadline the server gives its workers, plus the time
         # rank 0 may take to write the run folder after its own deadline fired (it publishes nothing meanwhile).
-        silence = None if policy.deadline is None else 2 * policy.deadline + grace(policy.deadline)
+        silence = silence_bound(policy.deadline)
         mailbox = shards.worker_mailbox(policy.pull_fraction, policy.pull_timeout, silence)
         worker = Worker(mailbox.worker, policy, seed=launch.parts.run.seed)
         if self.have is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ from collsync.policy import SyncPolicy
 from collsync.rules import combine
 from collsync.runs.shards import Serving, ShardRun
 from collsync.runtime.mpi_rma import Backoff
-from collsync.runtime.mpi_world import abort_on_error
+from collsync.runtime.mpi_world import abort, abort_on_error, open_mpi
 from collsync.server import Server
 from collsync.torch.config import build, server_penalty
 from collsync.trace import Trace
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 
 TAG_JOB = 7301
 TAG_LOST = 7302  # server rank 0 -> each live worker at the end: the workers it lost
+TAG_BYE = 7303  # each live worker -> server rank 0 at its exit after a loss: its script ended
 
 
 @dataclass
@@ -76,24 +78,50 @@ def _wait_for(world: MPI.Comm, source: int, tag: int) -> Any:
 
 def serve_forever(st: World) -> None:
     """Serve every job worker 0 sends, then exit the process (status 0). Errors abort the world naming the rank."""
-    lost = False
+    lost: set[int] = set()
+    last: Job | None = None
     with abort_on_error(st.world, (ValueError, TimeoutError)):
         while True:
             job = _wait_for(st.world, st.servers, TAG_JOB)
             if job is None:
                 break
-            lost = serve(st.world, st.servers, job) or lost
+            lost |= serve(st.world, st.servers, job)
+            last = job
     sys.stdout.flush()
     if lost:
-        # MPI_Finalize would wait for the lost worker for ever (MPICH's waits on every rank of the world).
+        assert last is not None
+        # MPI_Finalize would wait for the lost worker for ever (MPICH's waits on every rank of the world). Under
+        # MPICH server rank 0 ends the job once every live worker's script ended: mpiexec would wait for ever on
+        # a lost worker's host it cannot reach (a partition), and the abort is the word it acts on at once.
+        if st.world.Get_rank() == 0 and not open_mpi():
+            live = [st.servers + w for w in range(last.workers) if w not in lost]
+            hear_byes(st.world, live)
+            abort(st.world, 0)
         sys.stderr.flush()
         os._exit(0)
     sys.exit(0)
 
 
-def serve(world: MPI.Comm, servers: int, job: Job) -> bool:
-    """Serve this rank's shard of `job` until the workers leave (collective with the workers' `ServerMode`);
-    whether this shard lost a worker."""
+def say_bye(world: MPI.Comm, bound: float) -> None:
+    """A worker, at its exit after a loss: tell server rank 0 that this script ended (`hear_byes`); waits at most
+    `bound` for the word to go (rank 0 itself may be gone)."""
+    request = world.isend(None, dest=0, tag=TAG_BYE)
+    end = time.monotonic() + bound
+    backoff = Backoff(cap=5e-3)
+    while not request.Test() and time.monotonic() < end:
+        backoff.wait()
+
+
+def hear_byes(world: MPI.Comm, ranks: list[int]) -> None:
+    """Server rank 0 after a loss: wait until each live worker's script ended (`say_bye`). Live workers answered
+    at the end (`tell_lost`), so each comes once its script is done; no bound but theirs."""
+    for rank in ranks:
+        _wait_for(world, rank, TAG_BYE)
+
+
+def serve(world: MPI.Comm, servers: int, job: Job) -> set[int]:
+    """Serve this rank's shard of `job` until the workers leave (collective with the workers' `ServerMode`); the
+    workers this shard lost."""
     penalty, optimizer = combine(build(server_penalty(job.penalty, job.rule)), build(job.rule))
 
     def server(block: slice, trace: Trace | None) -> Server:
@@ -117,7 +145,7 @@ def serve(world: MPI.Comm, servers: int, job: Job) -> bool:
     # Training is over once one worker left a round policy; worker 0 may still ask for the state meanwhile. A lost
     # worker never comes to close: the windows then stay to the process's exit (freeing them is collective).
     run.close(timeout=job.policy.deadline if run.server.lost else None)
-    return bool(run.server.lost)
+    return set(run.server.lost)
 
 
 def tell_lost(world: MPI.Comm, servers: int, server: Server, locate: Callable[[int], tuple[Any, Any]]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from types import TracebackType
@@ -20,7 +21,10 @@ from typing import Any
 import torch
 
 from collsync.loops import Worker, pull, push
+from collsync.lost import grace, silence_bound
 from collsync.runtime.mpi_shards import Shards
+from collsync.runtime.mpi_world import open_mpi
+from collsync.runtime.watchdog import worker_watchdog
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._world import World, shutdown
 from collsync.torch.config import SyncConfig, server_lr, server_rule
@@ -64,6 +68,10 @@ class ServerMode(Mode):
             send_job(st.world, st.servers, job)
         self.shards = Shards(st.world, numel, st.servers, self.flat.buf.dtype)
         self.mailbox = self.shards.worker_mailbox(policy.pull_fraction, policy.pull_timeout)
+        # A worker cut off from its servers blocks inside MPI for good: a thread outside that call ends it once the
+        # servers have been silent for its bound (they lost it long before), until it leaves.
+        self.watchdog = worker_watchdog(self.shards.mailboxes, st.world.Get_rank(), silence_bound(policy.deadline))
+        self.watchdog.__enter__()
         self.worker = Worker(self.mailbox.worker, policy)
         self.lrs = [g.get("lr") for g in optimizer.param_groups]
         self.optimizer = optimizer
@@ -154,6 +162,7 @@ class ServerMode(Mode):
             self.mailbox.leave()
             self.left = True
             self.finished = True
+            self.watchdog.__exit__(None, None, None)
             if self.spec is not None:
                 self.spec.leave()
 
@@ -170,7 +179,7 @@ class ServerMode(Mode):
         self._lost = receive_lost(self.st.world)
         self.shards.close(timeout=self.deadline if self._lost else None)
         if self._lost:
-            exit_without_finalize()
+            exit_without_finalize(self.st.world, self.deadline)
         if self.spec is not None:
             self.spec.close()
 
@@ -192,10 +201,15 @@ _failed = False  # an exception reached the top of the script (its exit status i
 _registered = False
 
 
-def exit_without_finalize() -> None:
+def exit_without_finalize(world: Any = None, deadline: float | None = None) -> None:
     """After a worker was lost, end this process at exit without `MPI_Finalize`: MPICH's waits on every rank of
     the world, the lost one included, for ever. The script runs to its end as usual; then `shutdown()` (the server
-    ranks are released), and the process exits 0, or 1 if an exception ended the script."""
+    ranks are released), a word to server rank 0 that this script ended (`_serve.say_bye`), and the process exits
+    0, or 1 if an exception ended the script. Under MPICH a worker that ended well first waits (at most twice the
+    grace) for server rank 0 to end the job (`MPI_Abort(0)` once every live worker's script ended): mpiexec would
+    otherwise wait for ever on a lost worker's host it cannot reach, and a rank that leaves early may have the
+    others stopped while they still run their scripts. Without `world` (serverless: no server rank 0), only the
+    exit without `MPI_Finalize`."""
     global _registered
     if _registered:
         return
@@ -211,8 +225,14 @@ def exit_without_finalize() -> None:
 
     def leave() -> None:
         shutdown()  # nothing if the script called it (an optimizer closed by `close()` alone still has servers)
+        if world is not None:
+            from collsync.torch._serve import say_bye  # lazily, as in `__init__`: the server side's module
+
+            say_bye(world, grace(deadline))
         sys.stdout.flush()
         sys.stderr.flush()
+        if world is not None and not _failed and not open_mpi():
+            time.sleep(2 * grace(deadline))
         os._exit(1 if _failed else 0)
 
     atexit.register(leave)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
+from collsync.lost import grace
 from collsync.policy import asynchronous
-from collsync.runs.parts import grace
 from collsync.trace import Trace
 from tests.cluster.box import Watched, applies, cluster, finished, launch_runs, mpirun, ranks_on, summary
 

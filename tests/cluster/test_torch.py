@@ -6,11 +6,13 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.cluster.box import ENV, ROOT, mpirun
+from tests.cluster.box import ENV, ROOT, cluster, mpirun
 
 HOSTS = "node0:1,node1:2,node2:1"
 
@@ -43,3 +45,36 @@ def test_horovod_and_collsync_torch_end_equal_across_hosts(box, tmp_path):
     theirs, ours = (torch.load(out[impl])["plain"] for impl in ("horovod", "collsync"))
     worst = max((a - b).abs().max().item() for a, b in zip(theirs, ours, strict=True))
     assert worst <= 1e-10, worst
+
+
+def test_a_partitioned_worker_is_lost_and_the_job_ends(box, tmp_path):
+    """collsync.torch async (tests/scripts/torch_lost.py, deadline 5 s): worker 2, the one rank on node2, marks step
+    20 and node2's link is cut. The servers lose it, the other workers finish and name it (`opt.lost`: rank 2 on
+    node2), and server rank 0 ends the job once their scripts ended (MPI_Abort(0): mpiexec would otherwise wait for
+    node2's proxy for ever), status 0, within the deadline and its grace. (Worker 2's watchdog ends it on node2.)"""
+    script = ROOT / "tests" / "scripts" / "torch_lost.py"
+    args = mpirun("mpich", HOSTS, 4, str(script), "async", "2", "400", str(tmp_path), "mark")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    try:
+        end = time.monotonic() + 180
+        while not (tmp_path / "stopped").exists() and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.05)
+        assert (tmp_path / "stopped").exists(), proc.communicate(timeout=60)[1][-2000:]
+        cluster("cut", "node2")
+        cut = time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"the job did not end 60 s after the cut: {err[-2000:]}") from None
+        took = time.monotonic() - cut
+    finally:
+        cluster("mend", "node2", check=False)
+        cluster("kill", "node2", check=False)
+    assert proc.returncode == 0, (proc.returncode, err[-3000:])
+    done = sorted(Path(tmp_path, f"done-{w}").read_text() for w in (0, 1))
+    assert [line.split(" last=")[0] for line in done] == [
+        f"worker {w}: done lost=[2] hosts=['node2']" for w in (0, 1)
+    ], (done, err[-2000:])
+    assert took < 5 + 15 + 30, took  # the deadline, its grace, and the abort's way through the launcher
