@@ -9,7 +9,10 @@ Sides: `horovod` (the example with its import line switched to `horovod.torch`; 
 side is left out, said so in the JSON, and collsync's bsp is the reference instead), and collsync's `bsp`, `backup`
 (b = 1, margin "auto"), `async`, `psp`, `ssp`, `specsync`, each with `--workers` workers (the server modes launch
 one rank more, the server). Scenarios (examples/mnist.py `--straggle`): `none`; `heavy`, 10% of batches 0.2 s
-longer; `slow`, the last worker computing 3x as long. Every batch sleeps `--compute` seconds besides (a larger
+longer; `slow`, the last worker computing 3x as long; and, asked for by name, `slow-host`: no injected delay, the
+ranks across the cluster in one box (scripts/cluster.py; `bash scripts/cluster_up.sh` first) with the last worker
+alone on node2, whose link gets the `slow-host` model (5 ms each way) for the scenario: straggling made by the
+network, on every side alike. Every batch sleeps `--compute` seconds besides (a larger
 model's compute, so that 3x means something), and the delays come from a generator seeded by the repeat and the
 worker: the same on every side. The runs are interleaved (repeat r runs every scenario and side before repeat
 r + 1), each launch is timed by the script itself from the start of training, and the load average is recorded
@@ -44,6 +47,8 @@ BIN = Path(sys.executable).parent
 SIDES = ["horovod", "bsp", "backup", "async", "psp", "ssp", "specsync"]
 SERVER_SIDES = {"async", "psp", "ssp", "specsync"}
 SCENARIOS = ["none", "heavy", "slow"]
+BOX = Path(os.environ.get("COLLSYNC_CLUSTER_DIR", "/tmp/collsync-cluster"))  # scripts/cluster.py's folder
+SLOW_HOST = "node2"
 IMPORT = "import collsync.torch as hvd  # was: import horovod.torch as hvd"
 EPOCH = re.compile(r"epoch (\d+)/\d+: loss \S+, test accuracy ([0-9.]+) at ([0-9.]+) s")
 FINAL = re.compile(r"test accuracy: ([0-9.]+)")
@@ -71,7 +76,10 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
     script = horovod if side == "horovod" else EXAMPLE
     sync = "bsp" if side == "horovod" else side
     argv = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, str(script), "--sync", sync]
-    argv += ["--epochs", str(args.epochs), "--compute", str(args.compute), "--straggle", scenario]
+    if scenario == "slow-host":
+        argv = [str(BOX / "bin" / "mpiexec"), "-hosts", box_hosts(ranks), *argv[1:]]
+    straggle = "none" if scenario == "slow-host" else scenario
+    argv += ["--epochs", str(args.epochs), "--compute", str(args.compute), "--straggle", straggle]
     argv += ["--every-epoch", "--seed", str(repeat)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     run: dict[str, Any] = {"side": side, "scenario": scenario, "repeat": repeat, "load_before": os.getloadavg()}
@@ -95,6 +103,21 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
     }
 
 
+def box_hosts(ranks: int) -> str:
+    """The box's hosts for `ranks` ranks: the last one alone on the slow host, the others over node0 and node1
+    (MPICH fills the hosts in order, so the last rank, the last worker, is the one on node2)."""
+    first = ranks // 2
+    return f"node0:{first},node1:{ranks - 1 - first},{SLOW_HOST}:1"
+
+
+def slow_host(on: bool) -> None:
+    """Put the `slow-host` link model on node2's link (or take it off)."""
+    if on and not (BOX / "cluster.json").is_file():
+        raise SystemExit("horovod_stragglers: slow-host needs the cluster in one box (bash scripts/cluster_up.sh)")
+    model = "slow-host" if on else "none"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), "link", SLOW_HOST, model], check=True)
+
+
 def time_to(epochs: list[list[float]], target: float) -> float | None:
     """Seconds to the first epoch whose accuracy is at least `target` (None: never)."""
     return next((t for t, a in epochs if a >= target - 1e-9), None)
@@ -107,7 +130,7 @@ def spread(values: list[float]) -> dict[str, float] | None:
 def summarise(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:
     """Per scenario and side: final accuracy, time to the reference's median final accuracy, ratios."""
     out: dict[str, Any] = {}
-    for scenario in sorted({r["scenario"] for r in runs}, key=SCENARIOS.index):
+    for scenario in sorted({r["scenario"] for r in runs}, key=[*SCENARIOS, "slow-host"].index):
         ok = [r for r in runs if r["scenario"] == scenario and r["ok"]]
         ref = [r["final"] for r in ok if r["side"] == reference]
         target = statistics.median(ref) if ref else None
@@ -159,7 +182,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--compute", type=float, default=0.01, help="seconds slept per batch on every worker")
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=SCENARIOS)
+    parser.add_argument("--scenarios", nargs="+", choices=[*SCENARIOS, "slow-host"], default=SCENARIOS)
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=SIDES)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take")
     parser.add_argument(
@@ -179,6 +202,8 @@ def main() -> None:
     if reference not in sides:
         raise SystemExit(f"horovod_stragglers: the reference side {reference} is not among --sides")
     runs = []
+    if "slow-host" in args.scenarios:
+        slow_host(True)
     with tempfile.TemporaryDirectory() as folder:
         horovod = horovod_script(Path(folder)) if "horovod" in sides else None
         for repeat in range(args.repeats):
@@ -188,6 +213,8 @@ def main() -> None:
                     runs.append(run)
                     said = f"final {run['final']:.3f}" if run["ok"] else f"FAILED: {run['error'][-200:]}"
                     print(f"repeat {repeat} {scenario} {side}: {said}", flush=True)
+    if "slow-host" in args.scenarios:
+        slow_host(False)
     summary = summarise(runs, reference)
     shown = table(summary, reference)
     print(shown, flush=True)
