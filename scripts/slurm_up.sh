@@ -139,10 +139,15 @@ cat >"$DIR/env.sh" <<EOF
 export SLURM_CONF=$DIR/slurm.conf
 export PATH=$DIR/bin:\$PATH
 EOF
+UCX_LINE=""
+[ -z "${HEAD:-}" ] || UCX_LINE='export UCX_TLS=${UCX_TLS:-tcp,self}'
 cat >"$DIR/bin/on-head" <<EOF
 #!/bin/sh
 # Run a Slurm command (sbatch, srun, squeue, ...) where this cluster's controller answers.
 export SLURM_CONF=$DIR/slurm.conf PATH=$DIR/bin:\$PATH
+# Jobs inherit this: the MPICH wheel's UCX would otherwise carry messages between hosts (namespaces of one kernel)
+# through shared memory, past the links (scripts/cluster.py's mpiexec sets the same).
+$UCX_LINE
 exec ${HEAD:+ip netns exec $HEAD} "\$@"
 EOF
 chmod +x "$DIR/bin/on-head"
