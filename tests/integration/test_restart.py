@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import hits
 from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids
 
 pytestmark = [
@@ -49,12 +50,7 @@ def _restarted(tmp_path: Path, ranks: int, overrides: list[str], hit: int, sig: 
             os.kill(pid, sig)
         _, err = proc.communicate(timeout=300)
     finally:
-        for pid in pids:
-            for again in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, again)
-                except OSError:
-                    pass
+        hits.end(pids)
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
