@@ -1,0 +1,41 @@
+"""What ranks across the box's hosts believe about their cores and their links: the hosts are namespaces of one
+kernel, so every rank shares the machine's cores with all the others (`node_layout` by the kernel's boot id, not
+by host name), while MPI reaches the other hosts over TCP (`spans_hosts`), where `CommThread` waits in MPI's
+blocking `Allreduce` (its algorithms tuned for the network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from tests.cluster.box import ENV, ROOT, mpirun, need
+
+PROBE = """
+import json
+from mpi4py import MPI
+from collsync.runtime.mpi_thread import CommThread
+from collsync.runtime.mpi_world import node_layout, own_cores, spans_hosts
+comm = MPI.COMM_WORLD
+thread = CommThread(comm)
+said = dict(rank=comm.rank, layout=node_layout(comm), own=own_cores(comm), hosts=spans_hosts(comm),
+            blocking=thread.blocking, name=MPI.Get_processor_name())
+thread.close()
+print("LAYOUT " + json.dumps(said), flush=True)
+"""
+
+
+def test_hosts_of_one_kernel_share_its_cores_and_reduce_in_mpi(mpi):
+    need(mpi)
+    cmd = mpirun(mpi, "node0:2,node1:1,node2:1", 4, "-c", PROBE)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("LAYOUT ")]
+    assert sorted(s["rank"] for s in said) == [0, 1, 2, 3]
+    assert {s["name"] for s in said} == {"node0", "node1", "node2"}
+    cores = len(os.sched_getaffinity(0))
+    for s in said:
+        assert s["layout"] == [4, cores], s  # all four ranks on this one machine, whichever host they are on
+        assert s["own"] == (4 <= cores), s
+        assert s["hosts"] is True, s
+        assert s["blocking"] is True, s  # across hosts: MPI's blocking algorithm even where cores are shared
