@@ -12,9 +12,8 @@ TRAIN = [sys.executable, "-c", "from collsync.cli import train; train()"]
 FAST = ["steps=40", "eval_every=20", "runtime.workers=4", "progress=false"]
 
 
-def run_train(tmp_path: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess[str]:
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    args = [*TRAIN, *(["-m"] if multirun else []), f"{key}={tmp_path / 'run'}", *overrides]
+def run_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    args = [*TRAIN, f"hydra.run.dir={tmp_path / 'run'}", *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")}
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
 
@@ -35,11 +34,7 @@ def test_default_run_writes_its_folder(tmp_path):
 # Bad values answered in one line: tests/integration/test_bad_inputs.py (one row per case).
 
 
-def test_multirun_sweeps_locally(tmp_path):
-    proc = run_train(tmp_path, *FAST, "sync=bsp,async", multirun=True)
-    assert proc.returncode == 0, proc.stderr
-    summaries = sorted((tmp_path / "run").glob("*/summary.json"))
-    assert len(summaries) == 2
+# A local multirun sweep (`-m sync=bsp,async ...`), a run folder and summary per job: test_report_cli.py.
 
 
 def test_version_is_collsyncs():

@@ -27,6 +27,7 @@ def test_sweep_then_report_on_the_sweep_folder(tmp_path):
     )
     assert train.returncode == 0, train.stderr
     assert (sweep / "multirun.yaml").is_file()
+    assert len(list(sweep.glob("*/summary.json"))) == 4  # one run folder per job of the sweep, no more
     for job in range(4):
         log = (sweep / str(job) / "collsync.log").read_text()  # the run's own log lines, not an empty file
         assert "accuracy     theta" in log and "simulated" in log and f"run folder: {sweep / str(job)}" in log
