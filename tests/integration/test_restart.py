@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration import hits
-from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids
+from tests.integration.test_mpi_cli import MPIEXEC
 
 pytestmark = [
     pytest.mark.serial,
@@ -44,7 +44,7 @@ def _restarted(tmp_path: Path, ranks: int, overrides: list[str], hit: int, sig: 
         while not (run / "checkpoint.pt").exists():
             assert proc.poll() is None and time.monotonic() < end, proc.communicate(timeout=60)[1][-3000:]
             time.sleep(0.02)
-        pids = _rank_pids(f"hydra.run.dir={run}", hit)
+        pids = hits.rank_pids(f"hydra.run.dir={run}", hit)
         assert pids, f"rank {hit} not found"
         for pid in pids:
             os.kill(pid, sig)

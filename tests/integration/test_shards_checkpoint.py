@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from collsync import checkpoint
-from tests.integration.test_mpi_cli import MPIEXEC, _rank_pids, case_summary, command, launch_runs
+from tests.integration import hits
+from tests.integration.test_mpi_cli import MPIEXEC, case_summary, command, launch_runs
 
 pytestmark = [
     pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)"),
@@ -53,7 +54,7 @@ def _stop_after_a_checkpoint(tmp_path: Path, *overrides: str) -> tuple[int, str]
             time.sleep(0.05)
         assert ckpt.exists(), proc.communicate(timeout=60)[1][-2000:]
         assert proc.poll() is None, "the run ended before the signal: make it longer"
-        pids = [pid for r in range(4) for pid in _rank_pids(f"hydra.run.dir={tmp_path / 'run'}", r)]
+        pids = [pid for r in range(4) for pid in hits.rank_pids(f"hydra.run.dir={tmp_path / 'run'}", r)]
         assert len(pids) == 4, pids
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
