@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -65,7 +66,9 @@ def main() -> None:
         import horovod.torch as hvd
 
         hvd.init(comm=comm)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # DDP's rendezvous at rank 0: its host name where the ranks span hosts (127.0.0.1 there is each host's own).
+    names = comm.allgather(socket.gethostname())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if len(set(names)) == 1 else names[0])
     os.environ["MASTER_PORT"] = str(comm.bcast(29500 + os.getpid() % 1000 if rank == 0 else None))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=n)
     g = torch.Generator().manual_seed(rank)
