@@ -17,7 +17,9 @@ DIR/bin/mpiexec, so ranks on different hosts talk over TCP through the bridge, n
 * `fullsync`: benchmarks/mpi_fullsync.py, 4 ranks (node0:2, node1:2): `runtime=allreduce`'s step against a
   hand-written loop with one blocking `Allreduce`, 100k and 5M parameters;
 * `peers`: benchmarks/vs_peers.py, 4 ranks (node0:2, node1:2): `collsync.torch` bsp and backup, Horovod and DDP
-  against backward + one `Allreduce` by hand, 100k and 5M parameters.
+  against backward + one `Allreduce` by hand, 100k and 5M parameters;
+* `psp`: benchmarks/mpi_psp.py `--hosts node0:2,node1:2,node2:2`: PSP-SGD's partial push and pull against naive
+  sync, its two shards on node0 and its 4 workers on node1 and node2 (it launches its own runs).
 
 On a kernel without netem the presets are their rate alone (tbf): delays under 1 ms are not made (see
 scripts/cluster.py), and the row says which model was in force. Two cores run every rank and the link's forwarding:
@@ -54,6 +56,11 @@ def _pushpull(d: dict[str, Any]) -> str:
 def _partial(d: dict[str, Any]) -> str:
     r = d["ratio_to_allreduce"]
     return f"quorum n {_f(r['partial_n'])}, quorum n - 1 {_f(r['partial_n_minus_1'])} of `Allreduce`'s time"
+
+
+def _psp(d: dict[str, Any]) -> str:
+    keys = [k for k in d if isinstance(d[k], dict) and "time_saved" in d[k]]
+    return "; ".join(f"{k}: {100 * d[k]['time_saved']:.0f}% saved, acc {100 * d[k]['final_acc']:.1f}%" for k in keys)
 
 
 def _per_size(d: dict[str, Any], keys: list[str]) -> str:
@@ -98,7 +105,17 @@ BENCHES: dict[str, tuple[str, str, list[str], list[str], Callable[[dict[str, Any
         lambda d: _per_size(d, ["collsync", "backup", "horovod", "ddp"]),
         "collsync <= 1.25, <= horovod",
     ),
+    # Launches its own runs (collsync-train, 2 shards on node0, 4 workers on node1 and node2) with --hosts.
+    "psp": (
+        "node0:2,node1:2,node2:2",
+        "mpi_psp.py",
+        ["--workers", "4", "--steps", "300"],
+        ["--workers", "2", "--steps", "4", "--time-scale", "0.001"],
+        _psp,
+        "(none set: time saved against naive sync, across hosts)",
+    ),
 }
+SELF_LAUNCHED = {"psp"}
 
 
 def link(model: str) -> str:
@@ -121,13 +138,19 @@ def run_one(name: str, model: str, tiny: bool, folder: Path, timeout: float) -> 
     hosts, script, full, small, figures, target = BENCHES[name]
     ranks = sum(int(h.split(":")[1]) for h in hosts.split(","))
     out = folder / f"{name}-{model}.json"
-    argv = [str(BOX / "bin" / "mpiexec"), "-hosts", hosts, "-n", str(ranks), sys.executable, str(HERE / script)]
+    if name in SELF_LAUNCHED:
+        hosts = hosts if not tiny else "node0:2,node1:1,node2:1"
+        argv = [sys.executable, str(HERE / script), "--hosts", hosts]
+    else:
+        argv = [str(BOX / "bin" / "mpiexec"), "-hosts", hosts, "-n", str(ranks), sys.executable, str(HERE / script)]
     argv += [*(small if tiny else full), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     row: dict[str, Any] = {"benchmark": name, "link": model, "hosts": hosts, "target": target}
-    row["command"] = f"DIR/bin/mpiexec -hosts {hosts} -n {ranks} python benchmarks/{script} " + " ".join(
-        small if tiny else full
-    )
+    shown = " ".join(small if tiny else full)
+    if name in SELF_LAUNCHED:
+        row["command"] = f"python benchmarks/{script} --hosts {hosts} {shown}"
+    else:
+        row["command"] = f"DIR/bin/mpiexec -hosts {hosts} -n {ranks} python benchmarks/{script} {shown}"
     row["load_before"] = os.getloadavg()
     try:
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

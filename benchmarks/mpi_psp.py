@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.01, help="wall seconds per model second")
     parser.add_argument("--slow-server", type=float, default=0.25, help="model seconds shard 1 adds per update")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hosts", default=None, help="ranks across the cluster in one box: node0:2,node1:2,...")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "mpi_psp.json")
     args = parser.parse_args()
     ranks, c = args.workers + 2, max(1, args.workers - 1)
@@ -57,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in configs.items():
             folder = Path(tmp) / name.replace(" ", "_").replace("+", "and")
-            times = run(ranks, common + overrides, folder)
+            times = run(ranks, common + overrides, folder, args.hosts)
             summary = json.loads((folder / "summary.json").read_text())
             rows[name] = {
                 # Training is over when the slowest shard has made its last update.
@@ -73,7 +74,8 @@ def main() -> None:
         row["time_saved"] = 1.0 - row["wall_s"] / naive
     result = {
         "command": f"python benchmarks/mpi_psp.py --workers {args.workers} --steps {args.steps} "
-        f"--time-scale {args.time_scale:g} --slow-server {args.slow_server:g} --seed {args.seed}",
+        f"--time-scale {args.time_scale:g} --slow-server {args.slow_server:g} --seed {args.seed}"
+        + (f" --hosts {args.hosts}" if args.hosts else ""),
         "ranks": ranks,
         "pushes_c": c,
         **rows,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,11 +28,16 @@ from collsync.stragglers import gamma_heterogeneous, order_statistic_mean
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(ranks: int, overrides: list[str], folder: Path) -> list[float]:
+def run(ranks: int, overrides: list[str], folder: Path, hosts: str | None = None) -> list[float]:
     """Launch one run; return the wall times of its updates (seconds since start, from rank 0's trace). The run's
-    summary.json stays in `folder`."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    args = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "collsync.cli"]
+    summary.json stays in `folder`. `hosts` ("node0:2,node1:4"): the ranks across the cluster in one box
+    (scripts/cluster.py, its folder $COLLSYNC_CLUSTER_DIR or /tmp/collsync-cluster) instead of this host."""
+    if hosts is None:
+        launcher = [str(Path(sys.executable).parent / "mpiexec")]
+    else:
+        box = Path(os.environ.get("COLLSYNC_CLUSTER_DIR", "/tmp/collsync-cluster"))
+        launcher = [str(box / "bin" / "mpiexec"), "-hosts", hosts]
+    args = [*launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "collsync.cli"]
     args += [f"hydra.run.dir={folder}", "progress=false", "runtime=mpi", *overrides]
     proc = subprocess.run(args, capture_output=True, text=True, cwd=folder.parent)
     if proc.returncode != 0:

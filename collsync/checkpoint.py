@@ -39,8 +39,8 @@ FORMAT = 1
 NAME = "checkpoint.pt"
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
-# Config keys a resume may change: how long to train, how often to evaluate, checkpoint and show progress.
-MAY_DIFFER = ("steps", "eval_every", "progress", "checkpoint", "resume", "guard", "guard_loss")
+# Config keys a resume may change: how long to train, how often to evaluate, checkpoint, show progress and draw.
+MAY_DIFFER = ("steps", "eval_every", "progress", "plots", "checkpoint", "resume", "guard", "guard_loss")
 
 
 class Preempted(Exception):

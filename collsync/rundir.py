@@ -123,7 +123,7 @@ def write_run(
         out_dir.mkdir(parents=True, exist_ok=True)
         trace.write_jsonl(out_dir / "trace.jsonl")
         torch.save(saved, out_dir / "params.pt")
-        write_report(trace, out_dir, extra=extra)
+        write_report(trace, out_dir, extra=extra, plots=bool(config.get("plots", True)))
     result = {**summary(trace), **extra}
     # Through logging, line by line: under Hydra its handlers show each line on the console and keep it in the run
     # folder's collsync.log, so the log a run leaves (e.g. a Slurm job's) holds its summary and where it went.

@@ -148,17 +148,21 @@ def kept_summary_keys(run_dir: Path) -> dict[str, Any]:
 
 
 def write_report(
-    trace: TraceLike, out_dir: str | Path, extra: dict[str, Any] | None = None, clock: str | None = None
+    trace: TraceLike,
+    out_dir: str | Path,
+    extra: dict[str, Any] | None = None,
+    clock: str | None = None,
+    plots: bool = True,
 ) -> dict[str, Path]:
     """Write metrics.csv, summary.json (with `extra` merged in) and the figures into `out_dir`; return their paths,
-    keyed by file stem. kth_gradient_cdf.png only for round policies, gap_vs_delay.png only with Gap data.
+    keyed by file stem. kth_gradient_cdf.png only for round policies, gap_vs_delay.png only with Gap data; no
+    figures with `plots=False` (the config's `plots`: matplotlib's import and four figures cost about 3 s a run,
+    which a test suite of hundreds of short runs does not need; `collsync-report` draws them later).
 
     `clock` ("simulated" or "wall") is what the trace's times are in; by default the trace's own `clock_kind`.
     It goes into summary.json as `clock`, which is how a later report tells simulated from wall seconds: the
     config cannot always say (`runtime=auto` is the simulator or MPI depending on how the run was launched).
     """
-    from collsync import plots  # matplotlib is imported only when figures are drawn
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     events = events_of(trace)
@@ -167,11 +171,15 @@ def write_report(
     paths = {"metrics": write_csv(rows, out / "metrics.csv"), "summary": out / "summary.json"}
     result = {**summary(events, clock=clock), **(extra or {})}
     paths["summary"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    paths["accuracy_vs_time"] = plots.plot_accuracy(rows, out / "accuracy_vs_time.png", x="time", clock=clock)
-    paths["accuracy_vs_steps"] = plots.plot_accuracy(rows, out / "accuracy_vs_steps.png", x="steps")
-    paths["staleness_hist"] = plots.plot_staleness(events, out / "staleness_hist.png")
+    if not plots:
+        return paths
+    from collsync import plots as figures  # matplotlib is imported only when figures are drawn
+
+    paths["accuracy_vs_time"] = figures.plot_accuracy(rows, out / "accuracy_vs_time.png", x="time", clock=clock)
+    paths["accuracy_vs_steps"] = figures.plot_accuracy(rows, out / "accuracy_vs_steps.png", x="steps")
+    paths["staleness_hist"] = figures.plot_staleness(events, out / "staleness_hist.png")
     if kth_gradient_times(events):
-        paths["kth_gradient_cdf"] = plots.plot_kth_cdf(events, out / "kth_gradient_cdf.png", clock=clock)
+        paths["kth_gradient_cdf"] = figures.plot_kth_cdf(events, out / "kth_gradient_cdf.png", clock=clock)
     if gap_vs_delay(events):
-        paths["gap_vs_delay"] = plots.plot_gap_vs_delay(events, out / "gap_vs_delay.png")
+        paths["gap_vs_delay"] = figures.plot_gap_vs_delay(events, out / "gap_vs_delay.png")
     return paths

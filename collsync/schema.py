@@ -62,6 +62,7 @@ class RunConfig:
     warmup_updates: int = 0
     linear_scaling: bool = False
     progress: bool = True
+    plots: bool = True
     guard: Literal["stop", "skip", "off"] = "stop"
     guard_loss: float = 10.0
     checkpoint: Checkpointing | None = None

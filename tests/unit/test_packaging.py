@@ -3,8 +3,9 @@ configs) must be added there, or a non-editable install silently lacks it."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
