@@ -16,7 +16,7 @@ from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rules import fasgd, momentum
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_rma import WindowMailbox
-from collsync.runtime.mpi_world import check_world_size, launcher_size, node_layout, own_cores, world
+from collsync.runtime.mpi_world import check_world_size, launcher_size, machine, node_layout, own_cores, world
 from collsync.server import Server, replay
 from collsync.trace import Trace
 from collsync.types import Stamp
@@ -30,19 +30,21 @@ def test_world_matches_the_launcher(comm):
 
 
 def test_node_layout_counts_the_cores_of_ranks_bound_one_core_each(comm):
-    """Under `srun --cpu-bind=cores` each rank's mask is one core: the node's ranks may still each have their own
-    (a rank's own mask alone would call every node with two ranks oversubscribed)."""
+    """Under `srun --cpu-bind=cores` each rank's mask is one core: the machine's ranks may still each have their own
+    (a rank's own mask alone would call every node with two ranks oversubscribed). The machine is `machine()`, the
+    kernel's boot id: ranks MPI keeps off shared memory (MPIR_CVAR_NOLOCAL=1) or on namespaced hosts still share it."""
     from mpi4py import MPI
 
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no affinity masks on this platform")
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    node_rank, node = local.Get_rank(), local.Get_size()
+    keys = comm.allgather(machine())
+    here = [r for r, key in enumerate(keys) if key == keys[comm.Get_rank()]]
+    node_rank, node = here.index(comm.Get_rank()), len(here)
     start = os.sched_getaffinity(0)
-    # The binding below assumes the node's ranks start with one mask (mpiexec binds nothing by default).
-    if comm.allreduce(len({tuple(sorted(m)) for m in local.allgather(start)}) > 1, op=MPI.LOR):
-        local.Free()
-        pytest.skip("the ranks of a node start with different affinity masks")
+    masks = comm.allgather(sorted(start))
+    # The binding below assumes the machine's ranks start with one mask (mpiexec binds nothing by default).
+    if comm.allreduce(len({tuple(masks[r]) for r in here}) > 1, op=MPI.LOR):
+        pytest.skip("the ranks of a machine start with different affinity masks")
     cores = sorted(start)
     try:
         assert node_layout(comm) == (node, len(cores))
@@ -51,7 +53,6 @@ def test_node_layout_counts_the_cores_of_ranks_bound_one_core_each(comm):
         assert own_cores(comm) == (node <= len(cores))
     finally:
         os.sched_setaffinity(0, start)
-        local.Free()
 
 
 def test_allreduce_mean_is_exact_on_small_integers(comm):
