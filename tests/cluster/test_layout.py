@@ -21,7 +21,9 @@ thread = CommThread(comm)
 said = dict(rank=comm.rank, layout=node_layout(comm), own=own_cores(comm), hosts=spans_hosts(comm),
             blocking=thread.blocking, name=MPI.Get_processor_name())
 thread.close()
-print("LAYOUT " + json.dumps(said), flush=True)
+every = comm.gather(said, root=0)  # one print by one rank: the ranks' lines would interleave in mpiexec's output
+if comm.rank == 0:
+    print("LAYOUT " + json.dumps(every), flush=True)
 """
 
 
@@ -30,7 +32,9 @@ def test_hosts_of_one_kernel_share_its_cores_and_reduce_in_mpi(mpi):
     cmd = mpirun(mpi, "node0:2,node1:1,node2:1", 4, "-c", PROBE)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    said = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("LAYOUT ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("LAYOUT ")]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    said = json.loads(lines[0].split(" ", 1)[1])
     assert sorted(s["rank"] for s in said) == [0, 1, 2, 3]
     assert {s["name"] for s in said} == {"node0", "node1", "node2"}
     cores = len(os.sched_getaffinity(0))
