@@ -72,7 +72,9 @@ def test_one_percent_loss_trains_async(degraded):
     result = finished(folder, proc, "async")
     assert result["trace_checks"]["updates"] == 150 and result["best_acc"] >= 0.85, result["best_acc"]
     counts = [sum(w in e["workers"] for e in applies(folder / "async")) for w in range(3)]
-    assert min(counts) > 0 and counts[0] + counts[1] > 100, counts  # through the lossy link (node2's: slow too)
+    # Every gradient crosses the lossy link (the server's). node2's worker, behind 1 Mbit/s too, needs about 0.3 s an
+    # update, in which the other two may have made all 150 (its count was 0 in one run of many): not asserted.
+    assert counts[0] > 0 and counts[1] > 0 and counts[0] + counts[1] > 100, counts
 
 
 @dataclass
