@@ -3,8 +3,8 @@ servers): a worker of the shards on MPI windows (see `collsync.torch.optimizer`)
 
 `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
 applied on the servers by collsync's rule made from the user's optimizer's class and hyperparameters
-(`config.server_rule`, its lr rescaled by `config.server_lr`) plus the penalty; the user's optimizer's own state is
-not used.
+(`config.server_rule`, its lr rescaled by `config.server_lr`, a momentum SGD made DANA where updates take one
+gradient each, `config.server_momentum`) plus the penalty; the user's optimizer's own state is not used.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collsync.runtime.mpi_world import open_mpi
 from collsync.runtime.watchdog import worker_watchdog
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._world import World, shutdown
-from collsync.torch.config import SyncConfig, server_lr, server_rule
+from collsync.torch.config import SyncConfig, server_lr, server_momentum, server_rule
 from collsync.torch.speculative import Speculating
 
 
@@ -53,6 +53,8 @@ class ServerMode(Mode):
             rule = server_rule(optimizer)
             # The script's lr was scaled for size() gradients a step (Horovod's convention): see `server_lr`.
             rule = server_lr(rule, policy, workers) if config.scaled_lr else rule
+            # One stale gradient an update: the momentum made per worker, with a look-ahead (`server_momentum`).
+            rule = server_momentum(rule, policy, workers)
         self.flat = one_dtype(params, policy.name)
         numel = self.flat.buf.numel()
         if numel < st.servers:

@@ -10,7 +10,7 @@ from torch import nn
 
 import collsync.torch as hvd
 from collsync.policy import bsp
-from collsync.torch.config import server_lr
+from collsync.torch.config import server_lr, server_momentum
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -165,6 +165,32 @@ def test_server_lr_rescales_horovods_lr_to_the_gradients_an_update_averages(sync
     rule = {"_target_": "collsync.rules.momentum", "lr": 0.08, "momentum": 0.9, "weight_decay": 0.0}
     assert server_lr(rule, policy, 4) == {**rule, "lr": 0.08 * factor}
     assert "lr" not in server_lr({"_target_": "collsync.rules.dana"}, policy, 4)
+
+
+@pytest.mark.parametrize(
+    ("sync", "options", "dana"),
+    [
+        ("async", {}, True),
+        ("specsync", {}, True),  # over ASP by default: one gradient an update
+        ("async", {"quorum": 2}, False),  # an update averages two workers' gradients: one v_i cannot hold them
+        ("bfasgd", {}, False),  # fetch skipping needs the rule that re-applies a worker's last gradient
+        ("psp", {"pushes": 3}, False),
+        ("ssp", {}, False),
+        ("bsp", {}, False),
+    ],
+)
+def test_server_momentum_is_dana_where_an_update_is_one_gradient(sync, options, dana):
+    """The torch optimizer's momentum becomes DANA (per-worker momentum, a look-ahead read) with its lr, gamma and
+    weight decay where the servers apply one gradient at a time; elsewhere, and for a rule without momentum, the
+    rule is unchanged (config.server_momentum)."""
+    policy = hvd.sync_config(sync, **options).policy
+    momentum = {"_target_": "collsync.rules.momentum", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4}
+    nesterov = {**momentum, "_target_": "collsync.rules.nesterov"}
+    want = {**momentum, "_target_": "collsync.rules.dana"}
+    for rule in (momentum, nesterov):
+        assert server_momentum(rule, policy, 4) == (want if dana else rule)
+    plain = {"_target_": "collsync.rules.sgd", "lr": 0.02, "weight_decay": 0.0}
+    assert server_momentum(plain, policy, 4) == plain
 
 
 def test_server_modes_without_reserved_servers_say_how():

@@ -16,6 +16,8 @@ import torch
 
 import collsync.torch as hvd
 
+MOMENTUM = 0.5
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -29,15 +31,21 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     saved = torch.load(args.resume, weights_only=True) if args.resume else None
     opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM),
         model.named_parameters(),
         sync=args.sync,
         server_state=saved,
     )
     if saved is not None:
-        # The workers' models start where the servers were when they were saved.
+        # The workers' models start where the servers were when they were saved: async's momentum is DANA's
+        # (config.server_momentum), whose workers read the look-ahead theta - eta gamma sum_j v_j of the saved state.
         start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        assert torch.equal(start, saved["shards"][0]["params"]), "the model did not start from the saved servers"
+        shard = saved["shards"][0]
+        want = shard["params"]
+        if args.sync == "async":
+            _, total, eta = shard["opt_state"]
+            want = want - (eta * MOMENTUM) * total
+        assert torch.equal(start, want), "the model did not start from the saved servers"
     gen = torch.Generator().manual_seed(100 + hvd.rank())
     for _ in range(args.steps):
         x = torch.randn(16, 8, generator=gen)
