@@ -27,7 +27,7 @@ from collsync.runtime.mpi_world import open_mpi
 from collsync.runtime.watchdog import worker_watchdog
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._world import World, shutdown
-from collsync.torch.config import SyncConfig, server_lr, server_momentum, server_rule
+from collsync.torch.config import SyncConfig, rule_for
 from collsync.torch.speculative import Speculating
 
 
@@ -48,13 +48,7 @@ class ServerMode(Mode):
         self.st = st
         workers = st.comm.Get_size()
         policy.check(workers)
-        rule = config.rule
-        if rule is None:
-            rule = server_rule(optimizer)
-            # The script's lr was scaled for size() gradients a step (Horovod's convention): see `server_lr`.
-            rule = server_lr(rule, policy, workers) if config.scaled_lr else rule
-            # One stale gradient an update: the momentum made per worker, with a look-ahead (`server_momentum`).
-            rule = server_momentum(rule, policy, workers)
+        rule = rule_for(optimizer, config, workers)
         self.flat = one_dtype(params, policy.name)
         numel = self.flat.buf.numel()
         if numel < st.servers:

@@ -302,6 +302,26 @@ def server_lr(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> dict[st
     return {**rule, "lr": float(rule["lr"]) * factor}
 
 
+def rule_for(optimizer: torch.optim.Optimizer, config: SyncConfig, workers: int) -> dict[str, Any]:
+    """The rule the servers apply, as a config node: `config.rule` where one was named, else the torch optimizer's
+    (`server_rule`), its lr rescaled (`server_lr`, unless `scaled_lr=False`) and its momentum made DANA where an
+    update is one gradient (`server_momentum`). B-FASGD is refused without a named rule: its workers push and fetch
+    by the signal FASGD's server publishes (002_... eq. 9), which no torch optimizer has."""
+    if config.rule is not None:
+        return config.rule
+    policy = config.policy
+    if policy.bandwidth_aware:
+        raise ValueError(
+            f"DistributedOptimizer(sync={policy.name!r}): B-FASGD's workers push and fetch by the signal of FASGD's "
+            f"server (002_... eq. 9), which torch.optim.{type(optimizer).__name__} has not; pass rule='fasgd' (its "
+            "lr is FASGD's alpha, default 10: a step of about alpha x std(g) x g / staleness), or use sync='async'"
+        )
+    rule = server_rule(optimizer)
+    # The script's lr was scaled for size() gradients a step (Horovod's convention): see `server_lr`.
+    rule = server_lr(rule, policy, workers) if config.scaled_lr else rule
+    return server_momentum(rule, policy, workers)
+
+
 MOMENTUM_RULES = ("collsync.rules.momentum", "collsync.rules.nesterov")
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import collsync.torch as hvd
 from collsync.policy import bsp
-from collsync.torch.config import server_lr, server_momentum
+from collsync.torch.config import rule_for, server_lr, server_momentum
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -191,6 +191,19 @@ def test_server_momentum_is_dana_where_an_update_is_one_gradient(sync, options, 
         assert server_momentum(rule, policy, 4) == (want if dana else rule)
     plain = {"_target_": "collsync.rules.sgd", "lr": 0.02, "weight_decay": 0.0}
     assert server_momentum(plain, policy, 4) == plain
+
+
+def test_rule_for_a_torch_optimizer_rescales_makes_dana_and_refuses_bfasgd_by_name():
+    """The servers' rule from a Horovod script's SGD (lr x size(), momentum 0.9) at 4 workers: async's is DANA at
+    lr / 4; a named rule is taken as it is; B-FASGD without one is refused saying what to pass (config.rule_for)."""
+    sgd = torch.optim.SGD(net().parameters(), lr=0.08, momentum=0.9)
+    rule = rule_for(sgd, hvd.sync_config("async"), 4)
+    assert rule == {"_target_": "collsync.rules.dana", "lr": 0.02, "momentum": 0.9, "weight_decay": 0.0}
+    assert rule_for(sgd, hvd.sync_config("psp", pushes=2), 4)["_target_"] == "collsync.rules.momentum"
+    assert rule_for(sgd, hvd.sync_config("async", scaled_lr=False), 4)["lr"] == 0.08
+    assert rule_for(sgd, hvd.sync_config("bfasgd", rule="fasgd"), 4)["_target_"] == "collsync.rules.fasgd"
+    with pytest.raises(ValueError, match=r"sync='bfasgd'.*SGD has not; pass rule='fasgd'"):
+        rule_for(sgd, hvd.sync_config("bfasgd"), 4)
 
 
 def test_server_modes_without_reserved_servers_say_how():
