@@ -46,6 +46,26 @@ def load(mnist: str | None, seed: int) -> tuple[TensorDataset, TensorDataset, in
     return TensorDataset(x.reshape(len(x), -1), y), TensorDataset(xt.reshape(len(xt), -1), yt), x[0].numel()
 
 
+def build_model(name: str, features: int) -> nn.Module:
+    """An MLP, or a small CNN on the square images (8x8 digits, 28x28 MNIST) unflattened."""
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, 10))
+    side = int(round(features**0.5))
+    return nn.Sequential(
+        nn.Unflatten(1, (1, side, side)),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * (side // 4) ** 2, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
 def evaluate(model: nn.Module, test: TensorDataset) -> torch.Tensor:
     x, y = test.tensors
     with torch.no_grad():
@@ -66,6 +86,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() as under Horovod")
     parser.add_argument("--momentum", type=float, default=None, help="default 0.9 (0.7 under ssp)")
+    parser.add_argument("--model", default="mlp", choices=["mlp", "cnn"], help="an MLP, or a small CNN")
     parser.add_argument("--mnist", default=None, help="a folder with MNIST IDX files (default: bundled digits)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compute", type=float, default=0.0, help="seconds slept per batch (a larger model's)")
@@ -93,7 +114,7 @@ def main() -> None:
     else:
         sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed, drop_last=True)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    model = nn.Sequential(nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, 10))
+    model = build_model(args.model, features)
     # Horovod's scaling for a mean of size() gradients; in the server modes collsync rescales it to the gradients
     # one update averages (collsync.torch.config.server_lr: async and psp train with it unchanged).
     lr = args.lr * hvd.size()
