@@ -116,7 +116,8 @@ def main() -> None:
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = build_model(args.model, features)
     # Horovod's scaling for a mean of size() gradients; in the server modes collsync rescales it to the gradients
-    # one update averages (collsync.torch.config.server_lr: async and psp train with it unchanged).
+    # one update averages (collsync.torch.config.server_lr: async and psp train with it unchanged), and where an
+    # update is one gradient (async) runs the momentum per worker, as DANA (config.server_momentum).
     lr = args.lr * hvd.size()
     # Staleness acts as momentum of its own (Mitliagkas et al., 2016, "Asynchrony begets momentum"): SSP's rounds,
     # up to max_lead stale, are stable with less explicit momentum.
