@@ -108,10 +108,14 @@ def faulted(tmp_path: Path, fault: str, host: str) -> Faulted:
         cluster(fault, host)
         start = time.monotonic()
         returncode, took = None, BOUND_S
+        shown, progressed = 0, None  # the updates shown last, and when they last went up
         # Until the job ended (or BOUND_S) and every host is clear of ranks (or LEFT_S, at least 5 s after the end).
         while time.monotonic() - start < max(LEFT_S, min(took, BOUND_S) + 5):
             now = time.monotonic() - start
-            if trained is None and job.updates() >= STEPS:
+            updates = job.updates()
+            if updates > shown:
+                shown, progressed = updates, now
+            if trained is None and updates >= STEPS:
                 trained = now
             if returncode is None and now < BOUND_S:
                 returncode = job.proc.poll()
@@ -126,6 +130,11 @@ def faulted(tmp_path: Path, fault: str, host: str) -> Faulted:
         for name in hosts:
             cluster("kill", name, check=False)
         cluster("mend", host, check=False)
+    done = returncode == 0 and (run / "summary.json").is_file() and summary(run).get("updates") == STEPS
+    if trained is None and done:
+        # The progress bar's last lines may be lost to the job's ending abort: training ended after the last update
+        # shown, so the time from that one to the end is an upper bound on the end's own.
+        trained = progressed
     return Faulted(returncode, took, trained, job.text(), run, left)
 
 
