@@ -80,13 +80,15 @@ def sbatch(cwd: Path, *args: str) -> str:
 
 def start_requeued_now(job: str, scontrol: tuple[str, ...] = ("scontrol",), timeout: float = 120.0) -> None:
     """Slurm holds a requeued job back for 120 s (its BeginTime) before it may start again: a cluster's pause that a
-    test need not sit through, so once the job is pending again its start time is set to now."""
+    test need not sit through, so once the job is pending again its start time is set to 5 s from now. Not to now:
+    slurmd revokes the first attempt's credential at the requeue, in whole seconds, and an attempt allocated within
+    that second is killed as "Job credential revoked" (the job then ends FAILED)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         shown = subprocess.run([*scontrol, "-o", "show", "job", job], capture_output=True, text=True, timeout=30)
         restarts = re.search(r"Restarts=(\d+)", shown.stdout)
         if "JobState=PENDING" in shown.stdout and restarts and int(restarts.group(1)) >= 1:
-            subprocess.run([*scontrol, "update", f"jobid={job}", "StartTime=now"], timeout=30, check=True)
+            subprocess.run([*scontrol, "update", f"jobid={job}", "StartTime=now+5"], timeout=30, check=True)
             return
         if any(f"JobState={state}" in shown.stdout for state in FINAL):
             return
