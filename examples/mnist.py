@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() as under Horovod")
-    parser.add_argument("--momentum", type=float, default=None, help="default 0.9 (0.7 under ssp)")
+    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--model", default="mlp", choices=["mlp", "cnn"], help="an MLP, or a small CNN")
     parser.add_argument("--mnist", default=None, help="a folder with MNIST IDX files (default: bundled digits)")
     parser.add_argument("--seed", type=int, default=0)
@@ -116,13 +116,11 @@ def main() -> None:
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = build_model(args.model, features)
     # Horovod's scaling for a mean of size() gradients; in the server modes collsync rescales it to the gradients
-    # one update averages (collsync.torch.config.server_lr: async and psp train with it unchanged), and where an
-    # update is one gradient (async) runs the momentum per worker, as DANA (config.server_momentum).
+    # one update averages (collsync.torch.config.server_lr: every mode trains with it unchanged), runs the momentum
+    # per worker where an update is one gradient (async, as DANA) and looks ahead over SSP's stale rounds
+    # (config.server_momentum).
     lr = args.lr * hvd.size()
-    # Staleness acts as momentum of its own (Mitliagkas et al., 2016, "Asynchrony begets momentum"): SSP's rounds,
-    # up to max_lead stale, are stable with less explicit momentum.
-    momentum = args.momentum if args.momentum is not None else (0.7 if args.sync == "ssp" else 0.9)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **options)

@@ -15,6 +15,7 @@ the interface; the server applies `penalty` per arrival and `optimizer` per aggr
 | Adam / Adam-SA / Adam-GA (001 9-11)  | identity                 | adam / adam_sa / adam_ga          |
 | FASGD (002 eqs. 4-8)                 | identity                 | fasgd                             |
 | PSP-SGD lr scaling (003 Alg. 1)      | any                      | linear_scaling(optimizer, c)      |
+| SSP rounds, DANA's look-ahead        | identity                 | lookahead                         |
 | warm-up + momentum correction (C.4)  | any                      | gradual_warmup(optimizer, ...)    |
 
 (*) wraps the optimizer: see `combine`.
@@ -29,6 +30,7 @@ from collsync.rules.base import SIGNAL, EmptyState, Rule, chain, identity, param
 from collsync.rules.dana import DANAState, dana
 from collsync.rules.fasgd import FASGDState, bfasgd_probability, fasgd
 from collsync.rules.gap import GapAwareState, gap_aware
+from collsync.rules.lookahead import LookaheadState, lookahead
 from collsync.rules.optim import adam, momentum, nesterov, rmsprop, sgd
 from collsync.rules.schedule import GradualWarmupState, LinearScalingState, gradual_warmup, linear_scaling
 from collsync.rules.staleness import (
@@ -48,6 +50,7 @@ __all__ = [
     "GapAwareState",
     "GradualWarmupState",
     "LinearScalingState",
+    "LookaheadState",
     "Rule",
     "StalenessAwareState",
     "StalenessAwareStepState",
@@ -63,6 +66,7 @@ __all__ = [
     "gradual_warmup",
     "identity",
     "linear_scaling",
+    "lookahead",
     "momentum",
     "nesterov",
     "params_unchanged",

@@ -167,6 +167,24 @@ def test_server_lr_rescales_horovods_lr_to_the_gradients_an_update_averages(sync
     assert "lr" not in server_lr({"_target_": "collsync.rules.dana"}, policy, 4)
 
 
+@pytest.mark.parametrize(("max_lead", "factor"), [(1, 1.0), (2, 0.5), (3, 1 / 3)])
+def test_server_lr_of_the_lookahead_leaves_one_round_of_staleness_to_it(max_lead, factor):
+    """Under SSP the look-ahead momentum takes one round of the staleness the division took: lr / max(1, s)."""
+    policy = hvd.sync_config("ssp", max_lead=max_lead).policy
+    rule = {"_target_": "collsync.rules.lookahead", "lr": 0.08, "momentum": 0.9, "weight_decay": 0.0}
+    assert server_lr(rule, policy, 4) == {**rule, "lr": 0.08 * factor}
+
+
+def test_ssp_through_collsync_torch_bounds_the_lead_at_one_unless_told():
+    """collsync.torch's ssp defaults to max_lead 1 (config.SSP_MAX_LEAD); a bound given is kept, also when options
+    merge after init(sync=...); collsync-train's conf/sync/ssp.yaml keeps its 3."""
+    assert hvd.sync_config("ssp").policy.max_lead == 1
+    assert hvd.sync_config("ssp", max_lead=3).policy.max_lead == 3
+    assert hvd.sync_config(hvd.sync_config("ssp"), penalty="gap_aware").policy.max_lead == 1
+    assert hvd.sync_config(hvd.sync_config("ssp", max_lead=2), penalty="gap_aware").policy.max_lead == 2
+    assert hvd.sync_config("specsync", base="ssp").policy.max_lead == 3
+
+
 @pytest.mark.parametrize(
     ("sync", "options", "dana"),
     [
@@ -175,7 +193,7 @@ def test_server_lr_rescales_horovods_lr_to_the_gradients_an_update_averages(sync
         ("async", {"quorum": 2}, False),  # an update averages two workers' gradients: one v_i cannot hold them
         ("bfasgd", {}, False),  # fetch skipping needs the rule that re-applies a worker's last gradient
         ("psp", {"pushes": 3}, False),
-        ("ssp", {}, False),
+        ("ssp", {"max_lead": 0}, False),  # SSP at bound 0 is BSP: nothing stale to look ahead over
         ("bsp", {}, False),
     ],
 )
@@ -193,6 +211,19 @@ def test_server_momentum_is_dana_where_an_update_is_one_gradient(sync, options, 
     assert server_momentum(plain, policy, 4) == plain
 
 
+@pytest.mark.parametrize(("sync", "options"), [("ssp", {}), ("ssp", {"max_lead": 3}), ("specsync", {"base": "ssp"})])
+def test_server_momentum_looks_ahead_over_ssps_stale_rounds(sync, options):
+    """Under SSP's rounds (and SpecSync over them) a momentum SGD becomes the look-ahead momentum with its lr, gamma,
+    weight decay and Nesterov flag; plain SGD stays."""
+    policy = hvd.sync_config(sync, **options).policy
+    momentum = {"_target_": "collsync.rules.momentum", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4}
+    want = {**momentum, "_target_": "collsync.rules.lookahead"}
+    assert server_momentum(momentum, policy, 4) == {**want, "nesterov": False}
+    assert server_momentum({**momentum, "_target_": "collsync.rules.nesterov"}, policy, 4) == {**want, "nesterov": True}
+    plain = {"_target_": "collsync.rules.sgd", "lr": 0.02, "weight_decay": 0.0}
+    assert server_momentum(plain, policy, 4) == plain
+
+
 def test_rule_for_a_torch_optimizer_rescales_makes_dana_and_refuses_bfasgd_by_name():
     """The servers' rule from a Horovod script's SGD (lr x size(), momentum 0.9) at 4 workers: async's is DANA at
     lr / 4; a named rule is taken as it is; B-FASGD without one is refused saying what to pass (config.rule_for)."""
@@ -200,6 +231,10 @@ def test_rule_for_a_torch_optimizer_rescales_makes_dana_and_refuses_bfasgd_by_na
     rule = rule_for(sgd, hvd.sync_config("async"), 4)
     assert rule == {"_target_": "collsync.rules.dana", "lr": 0.02, "momentum": 0.9, "weight_decay": 0.0}
     assert rule_for(sgd, hvd.sync_config("psp", pushes=2), 4)["_target_"] == "collsync.rules.momentum"
+    ssp = rule_for(sgd, hvd.sync_config("ssp"), 4)  # the look-ahead at the full lr: bound 1
+    assert ssp == {"_target_": "collsync.rules.lookahead", "lr": 0.08, "momentum": 0.9, "weight_decay": 0.0} | {
+        "nesterov": False
+    }
     assert rule_for(sgd, hvd.sync_config("async", scaled_lr=False), 4)["lr"] == 0.08
     assert rule_for(sgd, hvd.sync_config("bfasgd", rule="fasgd"), 4)["_target_"] == "collsync.rules.fasgd"
     with pytest.raises(ValueError, match=r"sync='bfasgd'.*SGD has not; pass rule='fasgd'"):

@@ -1,0 +1,83 @@
+"""The look-ahead momentum for SSP's stale rounds (collsync.rules.lookahead), through the server, worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from collsync.policy import bsp, ssp
+from collsync.rules import lookahead, momentum
+from collsync.rules.lookahead import lookahead_distance
+from collsync.server import Server
+from collsync.types import Arrival
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9])
+@pytest.mark.parametrize("d", [0, 1, 2.5, 3])
+def test_lookahead_distance_is_the_sum_of_the_momentum_steps_to_come(gamma, d):
+    """D(d) = gamma + ... + gamma^d (NAG: gamma^2 + ... + gamma^(d+1)), also at a fractional d (closed form)."""
+    if d == int(d):
+        want = sum(gamma**k for k in range(1, int(d) + 1))
+        assert lookahead_distance(gamma, d) == pytest.approx(want)
+        assert lookahead_distance(gamma, d, nesterov=True) == pytest.approx(gamma * want)
+    else:
+        assert lookahead_distance(gamma, 2) <= lookahead_distance(gamma, d) <= lookahead_distance(gamma, 3)
+
+
+def test_without_staleness_it_is_momentum_bit_for_bit():
+    """BSP's rounds are never stale: the estimate stays at 0 and every update and read equals heavy ball's."""
+    torch.manual_seed(0)
+    start = torch.randn(50, dtype=torch.float32)
+    grads = [torch.randn(2, 50, dtype=torch.float32) for _ in range(6)]
+    servers = [
+        Server(start.clone(), rule(lr=0.3, momentum=0.9, weight_decay=0.01), bsp(), 2) for rule in (momentum, lookahead)
+    ]
+    for step, pair in enumerate(grads):
+        for server in servers:
+            for worker in (0, 1):
+                server.accept(Arrival(worker, step, pair[worker].clone(), clock=step))
+        assert torch.equal(servers[0].params, servers[1].params)
+        assert torch.equal(servers[0].view(), servers[1].view())
+    assert servers[1].opt_state.horizon == 0.0
+
+
+def test_the_view_looks_ahead_by_the_measured_staleness():
+    """SSP, bound 2, two workers: round 0 read at version 0 (staleness 0), rounds 1 and 2 also read at version 0
+    (staleness 1, 2). d <- 0.5 d + 0.5 tau; view = theta - eta D(d) v."""
+    lr, gamma, rho = 0.1, 0.5, 0.5
+    server = Server(t(0.0, 0.0), lookahead(lr=lr, momentum=gamma, smoothing=rho), ssp(max_lead=2), 2)
+    g = [t(1.0, 0.0), t(0.0, 2.0), t(2.0, 2.0)]
+    theta, v, d = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), 0.0
+    for clock, grad in enumerate(g):
+        for worker in (0, 1):
+            server.accept(Arrival(worker, 0, grad.clone(), clock=clock))
+        v = gamma * v + grad
+        theta = theta - lr * v
+        d = rho * d + (1 - rho) * clock  # this round's staleness: version clock - read version 0
+        torch.testing.assert_close(server.params, theta)
+        distance = gamma * (1 - gamma**d) / (1 - gamma)
+        torch.testing.assert_close(server.view(), theta - lr * distance * v)
+    assert server.opt_state.horizon == pytest.approx(d)
+
+
+def test_a_fixed_horizon_and_nesterov():
+    """horizon=1 looks ahead one step from the first update on; NAG steps -eta (g + gamma v) and looks ahead by
+    gamma^2 v."""
+    lr, gamma = 0.1, 0.5
+    server = Server(t(1.0), lookahead(lr=lr, momentum=gamma, horizon=1, nesterov=True), ssp(max_lead=1), 1)
+    server.accept(Arrival(0, 0, t(2.0), clock=0))  # v = 2; theta = 1 - 0.1 (2 + 0.5 * 2) = 0.7
+    torch.testing.assert_close(server.params, t(0.7))
+    torch.testing.assert_close(server.view(), t(0.7 - lr * gamma**2 * 2.0))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [({"horizon": -1}, "horizon=-1 must be >= 0"), ({"smoothing": 1.0}, "smoothing=1.0 must be in"), ({"lr": 0}, "lr")],
+)
+def test_bad_options_are_refused_by_name(options, match):
+    with pytest.raises(ValueError, match=match):
+        lookahead(**options)
