@@ -236,7 +236,7 @@ def test_example_reads_mnist_idx_files(tmp_path):
     assert accuracy(proc.stdout) >= 0.90
 
 
-@pytest.mark.parametrize("sync", ["async", "bsp"])
+@pytest.mark.parametrize("sync", ["async", "ssp", "bsp"])
 def test_server_state_saves_and_resumes(tmp_path, sync):
     """Server modes: worker 0 saves server_state_dict() with torch.save; a new launch passes it back as
     server_state=, every worker's model starts from the saved server parameters (checked in the script) and the

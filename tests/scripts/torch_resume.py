@@ -15,6 +15,7 @@ import argparse
 import torch
 
 import collsync.torch as hvd
+from collsync.rules.lookahead import lookahead_distance
 
 MOMENTUM = 0.5
 
@@ -38,13 +39,18 @@ def main() -> None:
     )
     if saved is not None:
         # The workers' models start where the servers were when they were saved: async's momentum is DANA's
-        # (config.server_momentum), whose workers read the look-ahead theta - eta gamma sum_j v_j of the saved state.
+        # (config.server_momentum), whose workers read the look-ahead theta - eta gamma sum_j v_j of the saved state;
+        # ssp's the look-ahead over its stale rounds.
         start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         shard = saved["shards"][0]
         want = shard["params"]
         if args.sync == "async":
             _, total, eta = shard["opt_state"]
             want = want - (eta * MOMENTUM) * total
+        if args.sync == "ssp":  # the look-ahead over stale rounds (rules.lookahead), by the saved staleness estimate
+            v, horizon, eta = shard["opt_state"]
+            assert horizon > 0, "ssp's saved staleness estimate is 0: nothing was stale"
+            want = want - (eta * lookahead_distance(MOMENTUM, horizon)) * v
         assert torch.equal(start, want), "the model did not start from the saved servers"
     gen = torch.Generator().manual_seed(100 + hvd.rank())
     for _ in range(args.steps):
