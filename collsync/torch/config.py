@@ -28,7 +28,7 @@ SERVER_MODES = ("async", "ssp", "psp", "bfasgd", "specsync")
 # SSP's bound where a script does not set one: 1 here, 3 in collsync-train (conf/sync/ssp.yaml). A script's momentum
 # SGD at the lr of synchronous rounds trains within a point of bsp at a bound of 1 with the look-ahead
 # (`server_momentum`), not at 2 or 3 (examples/mnist.py, digits, 4 workers, 8 epochs, seeds 0-2: 0.95-0.97 at 1;
-# 0.89-0.96 at 2; 0.78-0.95 at 3). collsync-train's ssp runs plain SGD at lr 0.1, made for the bound 3.
+# 0.89-0.96 at 2; 0.84-0.94 at 3). collsync-train's ssp runs plain SGD at lr 0.1, made for the bound 3.
 SSP_MAX_LEAD = 1
 
 
@@ -305,7 +305,7 @@ def server_lr(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> dict[st
     momentum (`collsync.rules.lookahead`, which `server_momentum` makes of a momentum SGD under SSP), the look-ahead
     takes one round of that staleness and the division is by max(1, s): the full lr at s = 1 (digits, 8 epochs:
     0.95-0.97, bsp 0.94-0.96; lr / 2 without the look-ahead 0.88-0.91), lr / 3 at s = 3 (0.91-0.92; the full lr with
-    the look-ahead 0.78-0.95). Momentum and the rest are unchanged.
+    the look-ahead 0.84-0.94). Momentum and the rest are unchanged.
     """
     lead = policy.max_lead or 0
     staleness = max(1, lead) if rule.get("_target_") == LOOKAHEAD else 1 + lead
