@@ -119,8 +119,9 @@ def build(node: dict[str, Any] | None) -> Any:
 
 
 def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
-    """A `SyncConfig` from a mode name and its options (`conf/sync/<name>.yaml` keys), a `SyncPolicy`, or a
-    `SyncConfig` (with options: merged with the ones it was made with, see `merge`).
+    """A `SyncConfig` from a mode name and its options (`conf/sync/<name>.yaml` keys; `ssp`'s `max_lead` defaults to
+    `SSP_MAX_LEAD` = 1 here), a `SyncPolicy`, or a `SyncConfig` (with options: merged with the ones it was made
+    with, see `merge`).
 
     Besides the mode's own keys: `penalty` (a name from conf/penalty/, or None) and `penalty_options` (its keys),
     `rule` (a name from conf/optimizer/, e.g. "dana" or "fasgd", for the server instead of the one made from the
