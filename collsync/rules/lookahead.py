@@ -24,7 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from collsync.rules.base import Rule, check_decay, check_lr, check_milestones, check_unit, decayed, step_lr, zeros_like
+from collsync.rules.base import Rule, check_decay, check_lr, check_milestones, check_unit, pure, step_lr
+from collsync.rules.optim import MomentumState
+from collsync.rules.optim import momentum as heavy_ball
 from collsync.types import Context, Flat
 
 
@@ -40,9 +42,7 @@ class LookaheadState(NamedTuple):
 def lookahead_distance(momentum: float, horizon: float, nesterov: bool = False) -> float:
     """sum_{k=1..d} gamma^k (heavy ball) or sum_{k=2..d+1} gamma^k (Nesterov, whose step is gamma v): how many v's
     of momentum the next d updates move the parameters by when no gradient arrives. d may be fractional (a mean)."""
-    if horizon <= 0 or momentum == 0:
-        return 0.0
-    total = momentum * (1 - momentum**horizon) / (1 - momentum) if momentum < 1 else horizon
+    total = momentum * (1 - momentum**horizon) / (1 - momentum)  # 0 at d = 0 or gamma = 0; gamma < 1 is checked
     return total * momentum if nesterov else total
 
 
@@ -63,9 +63,10 @@ def lookahead(
         view = theta - eta_k D(d) v,   D(d) = gamma (1 - gamma^d) / (1 - gamma)   (NAG: gamma D(d)),
         d <- rho d + (1 - rho) tau   per update (tau: its staleness; `horizon` fixes d instead), rho = `smoothing`.
 
-    Weight decay, warm-up and the step schedule as in `collsync.rules.momentum`.
+    The update is `collsync.rules.momentum`'s own (in place); this rule adds the estimate d and the view. Weight
+    decay, warm-up and the step schedule are momentum's.
     """
-    name = "lookahead"
+    name = "lookahead"  # checked here so that a bad value is refused under this rule's name
     check_lr(name, lr)
     check_unit(name, "momentum", momentum)
     check_decay(name, weight_decay)
@@ -74,17 +75,16 @@ def lookahead(
         raise ValueError(f"{name}: horizon={horizon!r} must be >= 0 (rounds of staleness), or null to measure it")
     if not 0 <= smoothing < 1:
         raise ValueError(f"{name}: smoothing={smoothing!r} must be in [0, 1)")
+    inner = heavy_ball(lr, momentum, weight_decay, warmup, nesterov, milestones, lr_decay)
+    assert inner.update_ is not None  # momentum steps in place
 
     def init(params: Flat) -> LookaheadState:
-        return LookaheadState(zeros_like(params), float(horizon or 0.0), step_lr(lr, warmup, 0, steps, lr_decay))
+        return LookaheadState(inner.init(params).v, float(horizon or 0.0), step_lr(lr, warmup, 0, steps, lr_decay))
 
-    def update(grad: Flat, state: LookaheadState, params: Flat, ctx: Context) -> tuple[Flat, LookaheadState]:
-        grad = decayed(grad, params, weight_decay)
-        v = state.v * momentum + grad
-        eta = step_lr(lr, warmup, ctx.step, steps, lr_decay)
+    def update_(grad: Flat, state: LookaheadState, params: Flat, ctx: Context) -> tuple[Flat, LookaheadState]:
+        delta, stepped = inner.update_(grad, MomentumState(state.v), params, ctx)
         d = state.horizon if horizon is not None else smoothing * state.horizon + (1 - smoothing) * ctx.staleness
-        delta = (grad + momentum * v) * -eta if nesterov else v * -eta
-        return delta, LookaheadState(v, d, eta)
+        return delta, LookaheadState(stepped.v, d, step_lr(lr, warmup, ctx.step, steps, lr_decay))
 
     def view(params: Flat, state: LookaheadState) -> Flat:
         distance = lookahead_distance(momentum, state.horizon, nesterov)
@@ -92,4 +92,4 @@ def lookahead(
             return params
         return params - (state.eta * distance) * state.v
 
-    return Rule(init, update, view)
+    return Rule(init, pure(update_), view, update_=update_)
