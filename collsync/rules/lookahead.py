@@ -76,13 +76,14 @@ def lookahead(
     if not 0 <= smoothing < 1:
         raise ValueError(f"{name}: smoothing={smoothing!r} must be in [0, 1)")
     inner = heavy_ball(lr, momentum, weight_decay, warmup, nesterov, milestones, lr_decay)
-    assert inner.update_ is not None  # momentum steps in place
+    momentum_step = inner.update_
+    assert momentum_step is not None  # momentum steps in place
 
     def init(params: Flat) -> LookaheadState:
         return LookaheadState(inner.init(params).v, float(horizon or 0.0), step_lr(lr, warmup, 0, steps, lr_decay))
 
     def update_(grad: Flat, state: LookaheadState, params: Flat, ctx: Context) -> tuple[Flat, LookaheadState]:
-        delta, stepped = inner.update_(grad, MomentumState(state.v), params, ctx)
+        delta, stepped = momentum_step(grad, MomentumState(state.v), params, ctx)
         d = state.horizon if horizon is not None else smoothing * state.horizon + (1 - smoothing) * ctx.staleness
         return delta, LookaheadState(stepped.v, d, step_lr(lr, warmup, ctx.step, steps, lr_decay))
 
