@@ -229,21 +229,57 @@ def plain(state: Any) -> Any:
 
 def unplain(template: Any, saved: Any, what: str) -> Any:
     """The inverse of `plain`, shaped by `template` (the state a fresh `Rule.init` gives): the saved leaves in the
-    template's NamedTuples, after checking that the two have the same structure and tensor shapes."""
+    template's NamedTuples, after checking that the two have the same structure and tensor shapes. A mismatch (a
+    state saved under another rule or other options) is refused naming both shapes (`outline`)."""
+    try:
+        return _unplain(template, saved)
+    except _Misfit:
+        raise ValueError(
+            f"checkpoint: the saved {what} state ({_clip(outline(saved))}) does not fit this config's {what}, whose "
+            f"state is {_clip(outline(template))}: resume with the {what} and options the checkpoint was saved with"
+        ) from None
+
+
+class _Misfit(Exception):
+    """Raised inside `_unplain` and reported once, with both whole shapes, by `unplain`."""
+
+
+def _unplain(template: Any, saved: Any) -> Any:
     if isinstance(template, tuple):
         named = hasattr(template, "_fields")
         if not isinstance(saved, list) or (named and len(saved) != len(template)):
-            raise ValueError(f"checkpoint: the saved {what} state does not fit this config's {what}")
+            raise _Misfit
         if not named and len(saved) != len(template):
             # A tuple that grows as training goes (DANA's per-worker momenta): the saved one, as it was.
             return tuple(_tuples(s) for s in saved)
-        items = [unplain(t, s, what) for t, s in zip(template, saved, strict=True)]
+        items = [_unplain(t, s) for t, s in zip(template, saved, strict=True)]
         return type(template)(*items) if named else tuple(items)
     if isinstance(template, torch.Tensor):
         if not isinstance(saved, torch.Tensor) or saved.shape != template.shape:
-            raise ValueError(f"checkpoint: the saved {what} state does not fit this config's {what}")
+            raise _Misfit
         return saved.to(template.dtype)
     return saved
+
+
+def outline(state: Any) -> str:
+    """A state's structure in one short line: `LookaheadState(v=tensor[10], horizon, eta)`, or for a saved one
+    (plain lists) `[tensor[10]]`."""
+    if isinstance(state, torch.Tensor):
+        return f"tensor[{', '.join(map(str, state.shape))}]"
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        parts = (
+            f"{f}={outline(v)}" if isinstance(v, (torch.Tensor, tuple, list)) else f
+            for f, v in zip(state._fields, state, strict=True)
+        )
+        return f"{type(state).__name__}({', '.join(parts)})"
+    if isinstance(state, (tuple, list)):
+        inner = ", ".join(outline(s) for s in state)
+        return f"({inner})" if isinstance(state, tuple) else f"[{inner}]"
+    return type(state).__name__
+
+
+def _clip(text: str, width: int = 160) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _tuples(saved: Any) -> Any:

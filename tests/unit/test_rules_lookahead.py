@@ -7,6 +7,7 @@ import torch
 
 from collsync.policy import bsp, ssp
 from collsync.rules import lookahead, momentum
+from collsync.rules.base import plain, unplain
 from collsync.rules.lookahead import lookahead_distance
 from collsync.server import Server
 from collsync.types import Arrival
@@ -81,3 +82,18 @@ def test_a_fixed_horizon_and_nesterov():
 def test_bad_options_are_refused_by_name(options, match):
     with pytest.raises(ValueError, match=match):
         lookahead(**options)
+
+
+def test_a_state_saved_under_single_momentum_is_refused_naming_both_shapes():
+    """A server state saved before SSP's momentum became the look-ahead (one buffer) does not resume under it: the
+    refusal shows what was saved and what this rule keeps, and says what to resume with."""
+    params = torch.zeros(3)
+    saved = plain(momentum(lr=0.1, momentum=0.9).init(params))
+    expected = (
+        r"the saved optimizer state \(\[tensor\[3\]\]\) does not fit this config's optimizer, whose state is "
+        r"LookaheadState\(v=tensor\[3\], horizon, eta\): resume with the optimizer and options the checkpoint was"
+    )
+    with pytest.raises(ValueError, match=expected):
+        unplain(lookahead(lr=0.1, momentum=0.9).init(params), saved, "optimizer")
+    state = lookahead(lr=0.1, momentum=0.9).init(params)
+    assert unplain(state, plain(state), "optimizer") == state  # and a state saved under it resumes
