@@ -3,6 +3,7 @@ the same stragglers injected on every side; time to Horovod's own final accuracy
 
     .venv/bin/python benchmarks/horovod_stragglers.py                    # 5 repeats x 7 sides x 3 scenarios
     .venv/bin/python benchmarks/horovod_stragglers.py --repeats 3 --scenarios heavy --sides horovod bsp backup
+    .venv/bin/python benchmarks/horovod_stragglers.py --model cnn --epochs 20 --scenarios none --sides horovod ssp
     .venv/bin/python benchmarks/horovod_stragglers.py --tiny --out /tmp/h.json   # the smoke run
 
 Sides: `horovod` (the example with its import line switched to `horovod.torch`; where Horovod is not installed the
@@ -80,7 +81,7 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
         argv = [str(BOX / "bin" / "mpiexec"), "-hosts", box_hosts(ranks), *argv[1:]]
     straggle = "none" if scenario == "slow-host" else scenario
     argv += ["--epochs", str(args.epochs), "--compute", str(args.compute), "--straggle", straggle]
-    argv += ["--every-epoch", "--seed", str(repeat)]
+    argv += ["--model", args.model, "--every-epoch", "--seed", str(repeat)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     run: dict[str, Any] = {"side": side, "scenario": scenario, "repeat": repeat, "load_before": os.getloadavg()}
     start = time.monotonic()
@@ -181,6 +182,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="examples/mnist.py's --model")
     parser.add_argument("--compute", type=float, default=0.01, help="seconds slept per batch on every worker")
     parser.add_argument("--scenarios", nargs="+", choices=[*SCENARIOS, "slow-host"], default=SCENARIOS)
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=SIDES)
