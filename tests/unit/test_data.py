@@ -12,7 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from collsync import bundled
 from collsync import data as data_module
+from collsync.bundled import digits_arrays
 from collsync.data import Batches, Dataset, cifar10, digits, mnist, npz, synthetic
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -36,6 +38,22 @@ def test_digits_is_bundled_scaled_and_split_by_seed():
     assert not torch.equal(digits(seed=1).y_train, data.y_train)
     with pytest.raises(ValueError, match=r"digits: test_fraction=1\.0 must be in \(0, 1\)"):
         digits(test_fraction=1.0)
+
+
+def test_the_digits_read_without_scikit_learn_are_load_digits_bit_for_bit(monkeypatch):
+    """collsync.bundled reads the CSV inside scikit-learn's wheel instead of importing it; the arrays are the ones
+    load_digits returns, with the same dtypes, and where the file is not found load_digits itself is the answer."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    for pixels, labels in (digits_arrays(), _without_the_file(monkeypatch)):
+        assert pixels.dtype == bunch.data.dtype and labels.dtype == np.int64
+        assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
+
+
+def _without_the_file(monkeypatch) -> tuple[np.ndarray, np.ndarray]:
+    monkeypatch.setattr(bundled, "DIGITS_CSV", ("no", "such", "file.csv.gz"))
+    return bundled.digits_arrays()
 
 
 def test_synthetic_is_seeded_and_learnable():
