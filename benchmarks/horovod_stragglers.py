@@ -177,6 +177,41 @@ def table(summary: dict[str, Any], reference: str) -> str:
     return "\n".join(lines)
 
 
+def figure(result: dict[str, Any], path: Path) -> None:
+    """Worker 0's test accuracy against seconds since training began, a panel per scenario and a line per side: at
+    each epoch the median over the repeats of its time and of its accuracy. The dashed line is the target (the
+    reference's median final accuracy): a line that crosses it further left got there sooner."""
+    import matplotlib  # lazy: only a run that asks for a figure pays for matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result["runs"] if r["ok"]]
+    scenarios = list(result["summary"])
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.4 * len(scenarios), 3.8), squeeze=False, sharey=True)
+    for ax, scenario in zip(axes[0], scenarios, strict=True):
+        block = result["summary"][scenario]
+        for side in block["sides"]:
+            curves = [r["epochs"] for r in runs if r["scenario"] == scenario and r["side"] == side]
+            length = min(len(c) for c in curves)
+            times = [statistics.median(c[e][0] for c in curves) for e in range(length)]
+            accuracy = [statistics.median(c[e][1] for c in curves) for e in range(length)]
+            reference = side == result["reference"]
+            style = {"color": "black", "linewidth": 2.2} if reference else {"linewidth": 1.4}
+            ax.plot(times, accuracy, marker="o", markersize=3, label=side, **style)
+        if block["target"] is not None:
+            ax.axhline(block["target"], linestyle="--", color="grey", linewidth=1)
+        ax.set_title(f"{scenario} (target {block['target']:.3f})")
+        ax.set_xlabel("seconds since training began (median)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("worker 0's test accuracy (median)")
+    axes[0][0].set_ylim(bottom=0.75)
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -192,7 +227,14 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", type=Path, default=None, help="also write the markdown table here")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw accuracy against time here (PNG)")
+    parser.add_argument(
+        "--replot", type=Path, default=None, help="draw a saved --out JSON (to --plot, or beside it) and stop"
+    )
     args = parser.parse_args()
+    if args.replot:
+        figure(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return
     if args.tiny:
         args.repeats, args.epochs, args.workers, args.scenarios = 1, 1, 2, ["heavy"]
         args.sides = [s for s in args.sides if s in ("horovod", "backup")] + ([] if have_horovod() else ["bsp"])
@@ -220,7 +262,7 @@ def main() -> None:
     summary = summarise(runs, reference)
     shown = table(summary, reference)
     print(shown, flush=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "table")}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "table", "plot", "replot")}
     result = {
         "command": "python benchmarks/horovod_stragglers.py " + " ".join(sys.argv[1:]),
         "config": {**config, "sides": sides},
@@ -234,6 +276,8 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1))
     if args.table:
         args.table.write_text(shown + "\n")
+    if args.plot:
+        figure(result, args.plot)
     if not all(r["ok"] for r in runs):
         raise SystemExit(f"horovod_stragglers: {sum(not r['ok'] for r in runs)} run(s) failed (see the JSON)")
 

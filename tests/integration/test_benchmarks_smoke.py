@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,13 @@ def test_the_readme_table_is_written_from_the_jsons(tmp_path: Path, monkeypatch:
     text = readme.read_text()
     assert "old" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
     assert "| simulator overhead | `python sim.py` |" in text and "1.23 (`results/sim_overhead.json`)" in text
+
+
+def test_horovod_stragglers_draws_a_saved_run(tmp_path: Path) -> None:
+    """`--replot` draws a committed result (accuracy against time, a panel per scenario) without launching."""
+    saved = ROOT / "benchmarks" / "results" / "horovod_stragglers_ssp.json"
+    png = tmp_path / "ssp.png"
+    argv = [sys.executable, str(ROOT / "benchmarks" / "horovod_stragglers.py"), "--replot", str(saved)]
+    proc = subprocess.run([*argv, "--plot", str(png)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
