@@ -102,3 +102,11 @@ def test_cycle_detection_sees_function_local_imports(tmp_path: Path) -> None:
     found = set(imported(module))
     assert {"collsync.server", "mpi4py.MPI"} <= found and "collsync.loops" not in found
     assert import_graph()["collsync.runfiles"] >= {"collsync.metrics"}
+
+
+def test_the_digits_load_without_scikit_learn_or_scipy() -> None:
+    """Every rank of every digits launch reads the data at start-up: `collsync.data.digits` reads the CSV inside
+    scikit-learn's wheel (collsync/bundled.py) instead of importing scikit-learn, which imports SciPy (2.5 s)."""
+    code = "import json, sys\nfrom collsync.data import digits\ndigits()\nprint(json.dumps(sorted(sys.modules)))\n"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout)
+    assert not [m for m in loaded if m.split(".")[0] in ("sklearn", "scipy")]
