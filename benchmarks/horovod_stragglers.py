@@ -199,9 +199,11 @@ def figure(result: dict[str, Any], path: Path) -> None:
             reference = side == result["reference"]
             style = {"color": "black", "linewidth": 2.2} if reference else {"linewidth": 1.4}
             ax.plot(times, accuracy, marker="o", markersize=3, label=side, **style)
-        if block["target"] is not None:
+        if block["target"] is not None:  # None: the reference side has no run that ended
             ax.axhline(block["target"], linestyle="--", color="grey", linewidth=1)
-        ax.set_title(f"{scenario} (target {block['target']:.3f})")
+            ax.set_title(f"{scenario} (target {block['target']:.3f})")
+        else:
+            ax.set_title(f"{scenario} (no target)")
         ax.set_xlabel("seconds since training began (median)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("worker 0's test accuracy (median)")

@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 
 from collsync import bundled
 from collsync import data as data_module
-from collsync.bundled import digits_arrays
 from collsync.data import Batches, Dataset, cifar10, digits, mnist, npz, synthetic
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -46,7 +45,7 @@ def test_the_digits_read_without_scikit_learn_are_load_digits_bit_for_bit(monkey
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    for pixels, labels in (digits_arrays(), _without_the_file(monkeypatch)):
+    for pixels, labels in (bundled.digits_arrays(), _without_the_file(monkeypatch)):
         assert pixels.dtype == bunch.data.dtype and labels.dtype == np.int64
         assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
 
