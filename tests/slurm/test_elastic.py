@@ -35,6 +35,8 @@ def test_a_killed_task_is_left_behind_and_the_run_finishes_on_the_others(cluster
     steps = 400
     overrides = ["runtime=mpi", "sync=bsp", "sync.deadline=5", "optimizer=sgd", f"steps={steps}"]
     overrides += ["checkpoint.every=50", "checkpoint.seconds=null", "eval_every=100", "progress=false"]
+    # Paced (20 ms a step, ~8 s in all) so that the kill lands while the run trains, not after it has ended.
+    overrides += ["stragglers=none", "runtime.inject_stragglers=true", "runtime.time_scale=0.02"]
     job = sbatch(submit_dir, "--overcommit", "--ntasks=4", str(ROOT / "slurm/train_elastic.sbatch"), *overrides)
     run = submit_dir / "outputs" / f"slurm-{job}"
     deadline = time.monotonic() + 180

@@ -103,12 +103,18 @@ def test_sweep_array_spreads_over_the_nodes(nodes, tmp_path):
     assert sorted(h[0] for h in hosts) == sorted(nodes[:3]), hosts  # and the three tasks on three nodes
 
 
+# Each step sleeps 30 ms (the straggler model's mean of 1 times time_scale), so 150 steps last ~5 s and USR1 lands
+# while the run trains; unpaced, the digits MLP does 150 steps in 0.2 s, before the signal arrives.
+PACED = ["stragglers=none", "runtime.inject_stragglers=true", "runtime.time_scale=0.03"]
+
+
 def test_a_requeued_job_resumes_on_another_node(nodes, tmp_path):
     """The node of the first attempt is drained (as a failing node is) while it runs; USR1 (Slurm's warning before
     the time limit) checkpoints and requeues; the next attempt lands on another node and resumes there."""
     script = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"
     args = ["sbatch", "--parsable", "-N", "1", "--ntasks=2", "--overcommit", str(script)]
     overrides = ["runtime=mpi", "sync=bsp", "steps=150", "checkpoint.every=10", "eval_every=100", "progress=false"]
+    overrides += PACED
     job = submitted(head(*args, *overrides, cwd=tmp_path))
     run = tmp_path / "outputs" / f"slurm-{job}"
     deadline = time.monotonic() + 180

@@ -32,6 +32,11 @@ def test_usr1_checkpoints_requeues_and_the_next_attempt_resumes(cluster, submit_
         "checkpoint.every=20",
         "eval_every=100",
         "progress=false",
+        # Paced (30 ms a step, ~9 s in all) so that USR1 lands while the run trains: unpaced, the digits MLP does 300
+        # steps in well under a second, and the run could end before the signal arrives.
+        "stragglers=none",
+        "runtime.inject_stragglers=true",
+        "runtime.time_scale=0.03",
     )
     run = submit_dir / "outputs" / f"slurm-{job}"
     deadline = time.monotonic() + 180
