@@ -167,15 +167,28 @@ class Margin:
     jitter does). The bounds: a gradient that comes within T / N keeps the gradients per second, 000_...'s
     measure, at least N / T ((N + 1) / (T + T / N) = N / T), so that much waiting is always worth trying; a round
     never more than doubles for a late one. Before any complete round the margin is T (wait, and measure).
+
+    T holds the waits, so a worker that is late in every round by more than a step (one persistently 3x slower)
+    would be waited for every round and set everyone's pace: T grows by its own lateness. So when the rounds that
+    waited for everyone waited longer, on average, than one step S of the closing rank (from reading the last
+    round's mean to its arrival in this one: its compute), m is only the T / N that is always worth trying, and that
+    worker is dropped (with `catch_up`, it then skips to the current round). Not S as the upper bound itself: where a
+    rank's one-sided operations progress only while the host is inside MPI (off shared memory without a progress
+    thread), a worker dropped once lags by the host's whole step, and only a wait of about T brings it back in step;
+    for the same reason the bound is T / N, not S / N: with a quorum of 1 (2 workers, 1 backup) T / N is the whole
+    period, and such a worker is still waited for.
     """
 
     mean: float | None = None
     dev: float = 0.0
     estimate: float | None = None
 
-    def limit(self, period: float, quorum: int) -> float:
-        """The margin in seconds for a round of `quorum` gradients at `period` seconds a round (T above)."""
+    def limit(self, period: float, quorum: int, step: float | None = None) -> float:
+        """The margin in seconds for a round of `quorum` gradients at `period` seconds a round (T above), `step`
+        seconds the closing rank's own step (S above; None: not known)."""
         high = max(period, 0.0)
+        if step is not None and self.mean is not None and self.mean > step:
+            return high / quorum  # the late ones come more than a step late: only what is always worth trying
         guess = high if self.estimate is None else self.estimate
         return min(high, max(high / quorum, guess))
 

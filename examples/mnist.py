@@ -146,11 +146,12 @@ def main() -> None:
 
     accuracy = evaluate(model, test)
     accuracy = hvd.allreduce(accuracy, op=hvd.Average)  # the workers' models differ under async modes
-    dropped = hvd.allreduce(torch.tensor(float(getattr(optimizer, "dropped", 0))), op=hvd.Sum)
+    counts = [float(getattr(optimizer, name, 0)) for name in ("dropped", "caught_up")]
+    dropped, caught_up = hvd.allreduce(torch.tensor(counts), op=hvd.Sum).tolist()
     if hvd.rank() == 0:
         print(f"test accuracy: {accuracy.item():.4f} ({hvd.size()} workers, sync={args.sync})", flush=True)
         if args.sync == "backup":
-            print(f"gradients dropped: {int(dropped.item())}", flush=True)
+            print(f"gradients dropped: {int(dropped)}, rounds caught up: {int(caught_up)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,7 @@ class PartialAllreduce(PartialWindows):
         self._check_not_stranded()
         check_call(self.numel, self.size, self.round, round, quorum, tensor)
         period, self._arrived_before = now - self._arrived_before, now  # since this rank's arrival a round ago
+        step = now - self._read_at  # its own step: from the last mean it read to this arrival
         if out is not None:  # checked before the round starts: a ticket taken cannot be given back
             check_out(out, self.numel, self.dtype)
         if quorum == self.size > 1:
@@ -156,7 +157,7 @@ class PartialAllreduce(PartialWindows):
             return self._collect(quorum, round, None, out)
         self._post(data, round)
         if index == quorum - 1:
-            self._close(quorum, round, period)
+            self._close(quorum, round, period, step)
         return self._collect(quorum, round, data, out)
 
     def try_read(self, quorum: int, round: int) -> PartialResult | None:
@@ -184,15 +185,15 @@ class PartialAllreduce(PartialWindows):
         self.win_slots.Flush(self.host)
         self._store(self._posted + self.rank, round_)
 
-    def _close(self, quorum: int, round_: int, period: float) -> None:
-        """Step 4 (the quorum-th arrival, `period` s after its arrival in the round before): close the round's
-        tickets (after the margin, if any); once every rank that drew one before the close posted, record who they
-        are; tag 'summing'."""
+    def _close(self, quorum: int, round_: int, period: float, step: float) -> None:
+        """Step 4 (the quorum-th arrival, `period` s after its arrival in the round before and `step` s after it
+        read that round's mean): close the round's tickets (after the margin, if any); once every rank that drew one
+        before the close posted, record who they are; tag 'summing'."""
         count = quorum
         if self.margin is None:
             self._close_tickets(round_)
         else:
-            count = self._extend(quorum, round_, period)
+            count = self._extend(quorum, round_, period, step)
         ranks = self._poll(
             lambda: _posted_for(self._load_many(self._posted, self.size), round_, count),
             lambda: (
@@ -205,14 +206,14 @@ class PartialAllreduce(PartialWindows):
         self._store_many(entry + 2, record)  # blocks <- 0 (the entry's last round is read by all: the gate)
         self._store(entry + 1, writing_tag(round_))
 
-    def _extend(self, quorum: int, round_: int, period: float) -> int:
+    def _extend(self, quorum: int, round_: int, period: float, step: float) -> int:
         """Step 4 with a margin: wait up to it (`Margin.limit` for "auto") for the ranks that have not drawn a
         ticket, close, and return how many drew one before the close (all of them count)."""
         margin, auto = self.margin, False
         if isinstance(margin, (int, float)):
             limit = float(margin)
         else:  # "auto" (None never comes here: it closes at once)
-            limit, auto = self._margin.limit(period, quorum), True
+            limit, auto = self._margin.limit(period, quorum, step), True
         start = last = time.monotonic()
         seen, backoff = quorum, self._backoff
         backoff.reset()
@@ -288,6 +289,7 @@ class PartialAllreduce(PartialWindows):
         self._full_rounds[round_ % self.depth] += 1
         self._floor = max(self._floor, round_)  # every rank entered round_, so every rank had read round_ - 1
         self.round = round_ + 1
+        self._read_at = time.monotonic()
         return PartialResult(mean, round_, self.size, list(range(self.size)), [])
 
     def _roll_call(self, round_: int) -> str:
@@ -362,6 +364,7 @@ class PartialAllreduce(PartialWindows):
         self._stored_read = self.round = round_ + 1
         if self.lost:
             self._read_for_lost()
+        self._read_at = time.monotonic()
         return PartialResult(mean, round_, len(contributors), contributors, dropped)
 
     def _collect_ready(self, tag: int, round_: int) -> bool | None:

@@ -136,6 +136,7 @@ class PartialWindows(LostRanks, Windows):
         self.tolerate, self.lost, self._proxied = tolerate, {}, {}  # `mpi_partial_lost`
         self._margin = Margin()  # the adaptive margin's running estimate (rounds this rank closes)
         self._arrived_before = time.monotonic()  # this rank's last arrival in a round: the period of its rounds
+        self._read_at = time.monotonic()  # when it last read a round's mean: its step is from there to its arrival
         self._parts: Flat | None = None  # a contributor's block of each counted slot (see `_sum_block`), kept
         self._who = rank_prefix(comm)
         self._hosts: list[str] = comm.allgather(socket.gethostname())  # so a timeout names a late rank's host

@@ -4,12 +4,21 @@ the default `margin="auto"`, every other one that comes within the margin the me
 (`backups.Margin`: with nobody straggling, every round takes all n); every replica applies that same mean with the
 user's optimizer, and a gradient that came later is dropped and counted (`dropped`). `margin=None` takes exactly
 n - b every round (the paper's fixed b). A worker whose round is already complete reads the mean without
-contributing. A worker silent for the deadline is lost: the others go on without it while at most b are
+contributing, and then catches up (`catch_up`): it reads and applies every further round the others completed
+meanwhile and has `collsync.torch.DistributedSampler` skip as many of its batches (at most the whole batches left in
+its epoch), so that it computes only for the current round, as 000_...'s late worker drops its stale work and joins
+the current step. Every worker still applies every round in order (the replicas stay identical) and ends each epoch
+at the same round, but a persistently slow worker no longer sets the pace: rounds go at the fast workers' pace with
+the gradients that came. Catch-up needs the sampler (given its DataLoader's `batch_size`) and no closure; by default
+it is off while a learning-rate scheduler is attached to the optimizer, since a worker that skips batches also skips
+a per-step schedule's steps (`catch_up=True` where the schedule steps per epoch). A worker silent for the deadline is
+lost: the others go on without it while at most b are
 (`runtime.mpi_partial_lost`), `lost` names it after `close()`, and the process exits 0 without `MPI_Finalize`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +33,7 @@ from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._server_mode import exit_without_finalize
 from collsync.torch._world import World
 from collsync.torch.config import SyncConfig
+from collsync.torch.sampler import skipper
 
 
 class PartialMode(Mode):
@@ -31,8 +41,20 @@ class PartialMode(Mode):
 
     name = "backup"
 
-    def __init__(self, st: World, params: list[torch.Tensor], config: SyncConfig, passes: int = 1) -> None:
+    def __init__(
+        self,
+        st: World,
+        params: list[torch.Tensor],
+        config: SyncConfig,
+        passes: int = 1,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         self.st = st
+        self.optimizer = optimizer  # the wrapped optimizer: whether a learning-rate scheduler is attached
+        self.catch_up = config.catch_up
+        self.caught_up = 0  # rounds this worker applied without computing for them (their batches skipped)
+        self._late = False  # the last round was complete before this worker came: it was dropped
+        self._warned = False
         policy = config.policy
         check_policy(policy)
         workers = st.comm.Get_size()
@@ -77,6 +99,7 @@ class PartialMode(Mode):
             return
         assert self.pa is not None  # one of the two is built in __init__
         result = self.pa.try_read(self.quorum, self.round)
+        self._late = result is not None
         if result is None:
             result = self.pa(self.flat.grads(), self.quorum, self.round)
         self.dropped += self.st.comm.Get_rank() not in result.contributors
@@ -86,7 +109,39 @@ class PartialMode(Mode):
     def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
         if sync:
             self.synchronize()
+            if self._late and closure is None:
+                self._catch_up(base)
         return base(closure)
+
+    def _catch_up(self, base: Callable[[Any], Any]) -> None:
+        """This worker came after its round completed: apply every further round already complete (each with the
+        user's optimizer, as every replica applies it), at most the batches its sampler can still skip, and skip
+        that many. The last mean read is left in the gradients for `step()` to apply."""
+        sampler = skipper()
+        if self.pa is None or self.catch_up is False or sampler is None:
+            return
+        if self.catch_up is None and getattr(getattr(self.optimizer, "step", None), "_wrapped_by_lr_sched", False):
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "DistributedOptimizer(sync='backup'): a learning-rate scheduler is attached, so a late worker "
+                    "does not skip to the current round (skipping batches, it would also skip a per-step schedule's "
+                    "steps and its replica would differ); pass catch_up=True if the schedule steps once per epoch",
+                    stacklevel=4,
+                )
+            return
+        room, caught = sampler.skippable(), 0
+        while caught < room:
+            result = self.pa.try_read(self.quorum, self.round)
+            if result is None:
+                break
+            base(None)  # the round read before this one
+            self.flat.set_grads(result.mean)
+            self.round += 1
+            caught += 1
+        if caught:
+            sampler.skip(caught)
+            self.caught_up += caught
 
     def join(self) -> int:
         raise NotImplementedError(

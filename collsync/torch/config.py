@@ -52,6 +52,9 @@ class SyncConfig:
     # options beside it (DistributedOptimizer after init(sync=...)) merge with them key by key.
     given: dict[str, Any] | None = None
     margin: float | str | None = "auto"
+    # Serverless backup: whether a late worker skips to the current round (`_partial_mode`); None: unless a
+    # learning-rate scheduler is attached to the optimizer.
+    catch_up: bool | None = None
 
     def __post_init__(self) -> None:
         speculation = self.policy.speculation
@@ -129,9 +132,12 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     else 0), `backend` ("mpi" or "horovod"), `depth` (the partial allreduce's ring), `margin` (serverless backup:
     "auto", the default, waits after the round's n - b-th gradient for the others as long as the measured arrivals
     say nobody straggles (`backups.Margin`); a number waits that many seconds; None takes exactly the first n - b,
-    000_...'s fixed b and collsync-train's `sync=backup`), `scaled_lr` (default True: the
-    torch optimizer's lr is Horovod's `lr * size()`, and a server mode rescales it, see `server_lr`; False: the
-    servers apply it as given).
+    000_...'s fixed b and collsync-train's `sync=backup`), `catch_up` (serverless backup: a worker late for a round
+    applies every round the others completed meanwhile and skips as many of its batches, through
+    `collsync.torch.DistributedSampler`; None, the default, does so unless a learning-rate scheduler is attached to
+    the optimizer, whose per-step schedule would then differ between replicas; True or False), `scaled_lr` (default
+    True: the torch optimizer's lr is Horovod's `lr * size()`, and a server mode rescales it, see `server_lr`; False:
+    the servers apply it as given).
     """
     if isinstance(sync, SyncConfig):
         return merge(sync, options) if options else sync
@@ -142,6 +148,7 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     backend = options.pop("backend", "mpi")
     depth = options.pop("depth", 8)
     margin_given, margin = "margin" in options, options.pop("margin", "auto")
+    catch_up_given, catch_up = "catch_up" in options, options.pop("catch_up", None)
     rule = options.pop("rule", None)
     rule_options = options.pop("rule_options", None) or {}
     scaled_lr = options.pop("scaled_lr", True)
@@ -176,6 +183,13 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
             f"sync={policy.name}: margin={margin!r} is for serverless backup (sync='backup', servers=0), whose "
             "rounds are the k-of-n partial allreduce"
         )
+    if catch_up not in (None, True, False):
+        raise ValueError(f"sync={policy.name}: catch_up={catch_up!r} must be True, False or None (decide by itself)")
+    if catch_up_given and (servers or policy.name != "backup"):
+        raise ValueError(
+            f"sync={policy.name}: catch_up={catch_up!r} is for serverless backup (sync='backup', servers=0), whose "
+            "late workers skip to the current round"
+        )
     penalty_node = None
     if penalty is not None:
         if penalty not in PENALTIES:
@@ -192,7 +206,7 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     elif rule_options:
         raise ValueError("rule_options are for a rule given by name (rule='dana', ...)")
     named = named if isinstance(sync, str) else None
-    return SyncConfig(policy, penalty_node, servers, backend, depth, rule_node, scaled_lr, named, margin)
+    return SyncConfig(policy, penalty_node, servers, backend, depth, rule_node, scaled_lr, named, margin, catch_up)
 
 
 def merge(config: SyncConfig, options: dict[str, Any]) -> SyncConfig:

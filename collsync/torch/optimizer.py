@@ -12,7 +12,8 @@ What `step()` does depends on the mode, one module per mode family behind the `_
 * `backup` (no servers, `_partial_mode`): each step t is a k-of-n partial allreduce (`runtime.mpi_partial`): the
   first n - b gradients of round t to arrive are averaged (000_..., Chen et al., Alg. 3-4), every replica applies
   that same mean with your optimizer, and a gradient that came late is dropped and counted (`dropped`). A worker
-  whose round is already complete reads the mean without contributing.
+  whose round is already complete reads the mean without contributing, then every round completed since, and has
+  `collsync.torch.DistributedSampler` skip as many of its batches (`caught_up`).
 * `async`, `ssp`, `psp`, `bfasgd`, `specsync` (and any mode once `init` reserved servers; `_server_mode`): the
   parameter server on MPI windows.
   `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
@@ -152,6 +153,12 @@ class _Distributed:
         return self._collsync.dropped
 
     @property
+    def caught_up(self) -> int:
+        """Backup workers: rounds this worker applied without computing for them, having come late (`catch_up`):
+        its sampler skipped that many batches (0 in other modes)."""
+        return getattr(self._collsync, "caught_up", 0)
+
+    @property
     def lost(self) -> list[dict[str, Any]]:
         """Server modes: the workers the servers lost (silent for the deadline: stopped, partitioned, dead) and
         went on without, each as `rank` (its `rank()`), `world_rank`, `host` and `last_update` (the last server
@@ -217,7 +224,15 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         mode = ServerMode(st, optimizer, params, config, server_state)
     else:
         mode = _serverless(
-            st, params, config, compression, backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense
+            st,
+            optimizer,
+            params,
+            config,
+            compression,
+            backward_passes_per_step,
+            op,
+            gradient_predivide_factor,
+            sparse_as_dense,
         )
     cls = type(optimizer)
     optimizer.__class__ = type(cls.__name__, (_Distributed, cls), {"__module__": cls.__module__})
@@ -232,6 +247,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
 
 def _serverless(
     st: World,
+    optimizer: torch.optim.Optimizer,
     params: list[torch.Tensor],
     config: SyncConfig,
     compression: Any,
@@ -257,5 +273,5 @@ def _serverless(
                 "DistributedOptimizer(sync='backup'): the partial allreduce averages plain gradients; "
                 "compression, op and gradient_predivide_factor are for sync='bsp'"
             )
-        return PartialMode(st, params, config, passes=passes)
+        return PartialMode(st, params, config, passes=passes, optimizer=optimizer)
     raise ValueError(f"DistributedOptimizer: sync={name!r} has no serverless form; reserve servers at init()")

@@ -26,11 +26,18 @@ Which mode uses which (`shared=None`, decided from `init`'s world):
 
 `shared=True` or `False` overrides the choice (True needs `collsync.torch.init()`; the counter then spans its
 workers). A DataLoader should take `batch_size` equal to the sampler's, so that one take hands out one batch.
+
+Serverless `backup` skips batches with fixed shards too: a worker late for a round reads the rounds the others
+completed meanwhile (`_partial_mode`), applies them, and asks this sampler to skip as many of its batches (`skip`),
+so that it computes only for the current round and its epoch still ends at the others' round. Only a sampler given
+`batch_size` (that of its DataLoader) skips, and only whole batches not yet handed out (`skippable`): a DataLoader
+with workers has handed out a few batches ahead, which are then computed as usual.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +48,16 @@ from torch.utils.data import DistributedSampler as TorchDistributedSampler
 from collsync.policy import SyncPolicy
 from collsync.runtime.mpi_counter import SharedCounter
 from collsync.torch import _world
+
+# The samplers that can skip batches for serverless backup (weakly held: a sampler dropped by the script goes).
+_SKIPPERS: weakref.WeakSet[DistributedSampler] = weakref.WeakSet()
+
+
+def skipper() -> DistributedSampler | None:
+    """The one sampler iterating an epoch that can skip batches (serverless backup's catch-up), or None when there is
+    none or more than one (which one feeds training would be a guess)."""
+    live = [s for s in _SKIPPERS if s._live is not None]
+    return live[0] if len(live) == 1 else None
 
 
 def uses_counter(servers: int, policy: SyncPolicy | None) -> bool:
@@ -67,11 +84,11 @@ class DistributedSampler(TorchDistributedSampler):
         seed: int = 0,
         drop_last: bool = False,
         *,
-        batch_size: int = 1,
+        batch_size: int | None = None,
         shared: bool | None = None,
     ) -> None:
         what = "collsync.torch.DistributedSampler"
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"{what}: batch_size={batch_size!r} must be a whole number >= 1")
         if shared is None:
             st = _world._STATE
@@ -86,7 +103,9 @@ class DistributedSampler(TorchDistributedSampler):
             num_replicas = comm.Get_size() if num_replicas is None else num_replicas
             rank = comm.Get_rank() if rank is None else rank
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
-        self.batch_size = batch_size
+        # Only a known batch lets the sampler skip whole batches for serverless backup (module docstring).
+        self.skips = batch_size is not None and not shared
+        self.batch_size = 1 if batch_size is None else batch_size
         self.shared = bool(shared)
         self.taken = 0
         self._resume: tuple[int, int] | None = None  # (epoch, position) from load_state_dict, for that epoch only
@@ -95,11 +114,17 @@ class DistributedSampler(TorchDistributedSampler):
         self._held: int | None = None  # a ticket drawn past the last pass's end: the next pass's
         self._started = False
         self._position = 0  # fixed shards: samples of this worker's shard handed out this epoch
+        self._live: object | None = None  # fixed shards: the iteration under way (its token), None between epochs
+        self._first = self._end = 0  # fixed shards: the epoch's first position and its shard's length
+        self._skip = 0  # fixed shards: batches to skip at the next batch boundary (`skip`)
+        self.skipped = 0  # fixed shards: batches skipped in the current (or last) epoch
         self.counter: SharedCounter | None = None
         if self.shared:
             st = _world.state(what)
             self.counter = SharedCounter(st.comm)  # collective over the workers
             st.cleanups.append(self.close)
+        if self.skips:
+            _SKIPPERS.add(self)
 
     def close(self) -> None:
         """Free the counter's window (collective over the workers; `shutdown()` does it for samplers still open)."""
@@ -125,13 +150,42 @@ class DistributedSampler(TorchDistributedSampler):
         return self._fixed()
 
     def _fixed(self) -> Iterator[int]:
-        """torch's shard of this worker, from the resumed position if there is one."""
+        """torch's shard of this worker, from the resumed position if there is one, less the batches `skip` asks to
+        skip (each at a batch boundary)."""
         start = self._start()
-        indices = list(super().__iter__())[start:]
+        indices = list(super().__iter__())
+        token = object()
+        self._live, self._first, self._end, self._skip, self.skipped = token, start, len(indices), 0, 0
         self._position = start
-        for index in indices:
-            self._position += 1
-            yield index
+        try:
+            while self._position < len(indices):
+                if self._skip and (self._position - start) % self.batch_size == 0:
+                    self._position += self._skip * self.batch_size  # `skippable` bounds it by the shard's end
+                    self.skipped, self._skip = self.skipped + self._skip, 0
+                    continue
+                self._position += 1
+                yield indices[self._position - 1]
+        finally:
+            if self._live is token:  # not a later epoch's iteration, begun before this one was dropped
+                self._live = None
+
+    def skippable(self) -> int:
+        """Whole batches of this worker's shard not yet handed out (nor promised to `skip`) in the epoch under way:
+        0 between epochs, with the shared counter, and without a `batch_size`."""
+        if not self.skips or self._live is None:
+            return 0
+        size = self.batch_size
+        boundary = self._first + -(-(self._position - self._first) // size) * size  # the next batch's first position
+        return max(0, (self._end - boundary) // size - self._skip)
+
+    def skip(self, batches: int) -> None:
+        """Hand out `batches` fewer batches in this epoch, from the next batch boundary on (serverless backup: the
+        rounds this worker applied without computing for them). At most `skippable()`."""
+        if not 0 <= batches <= self.skippable():
+            raise ValueError(
+                f"collsync.torch.DistributedSampler.skip: {batches} batches, but {self.skippable()} can be skipped"
+            )
+        self._skip += batches
 
     def _order(self) -> list[int]:
         """The epoch's permutation, as torch's sampler makes it (before it pads or cuts the shards)."""

@@ -314,6 +314,17 @@ def test_auto_margin_drops_a_late_ranks_gradients(comm):
     assert dropped[late] >= 4 and sum(dropped[:late]) <= 0.05 * 60, dropped  # the others: as without stragglers
 
 
+def test_auto_margin_stops_waiting_for_a_rank_slow_in_every_round(comm):
+    """A rank 3x slower in every round is dropped in most: the rounds that waited for it waited longer than a step,
+    so the margin falls to T / N (`backups.Margin`) instead of following the period its own lateness made."""
+    n = comm.Get_size()
+    if n < 3:
+        pytest.skip("needs a slow rank beside a quorum of 2 or more (with a quorum of 1, T / N is the whole period)")
+    slow, rounds = n - 1, 40
+    dropped = _rounds_dropped(comm, lambda rank, t: 0.03 if rank == slow else 0.01, rounds)
+    assert dropped[slow] >= 0.75 * rounds and sum(dropped[:slow]) <= 0.05 * rounds * slow, dropped
+
+
 def test_stress_with_auto_margin_every_contribution_counted_or_dropped_once(comm):
     rounds = 2_000
     fates, sizes = _stress(comm, rounds, 777, 2e-3, margin="auto")

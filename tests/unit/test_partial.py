@@ -207,3 +207,14 @@ def test_sync_config_takes_a_margin_for_serverless_backup_only():
         sync_config("backup", servers=1, margin=0.1)
     with pytest.raises(ValueError, match=r"sync=bsp: margin='auto' is for serverless backup"):
         sync_config("bsp", margin="auto")
+
+
+def test_margin_stops_waiting_for_ranks_later_than_a_step():
+    """Complete rounds that waited longer than the closing rank's step S (a persistently slow worker): only T / N,
+    however long the period its waits made; a step longer than the mean gap keeps the estimate."""
+    margin = Margin()
+    for _ in range(10):
+        margin.observe(0.02, True, 0.03)  # the slow one came 20 ms after the quorum-th
+    assert margin.limit(0.03, 3) == pytest.approx(margin.estimate)  # no step known: as before, the estimate
+    assert margin.limit(0.03, 3, step=0.012) == pytest.approx(0.01)  # 20 ms late against a 12 ms step: T / N
+    assert margin.limit(0.03, 3, step=0.05) == pytest.approx(margin.estimate)  # within a step: waited for

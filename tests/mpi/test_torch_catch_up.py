@@ -1,0 +1,109 @@
+"""Serverless backup's catch-up at any world size: a worker late for its round applies every round the others
+completed meanwhile and its `collsync.torch.DistributedSampler` skips as many batches. Every replica still applies
+every round (identical parameters), every worker ends each epoch at the same round, and the slow worker computes
+fewer batches; with a learning-rate scheduler attached it does not skip unless told to (`catch_up=True`)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import collsync.torch as hvd
+
+EPOCHS, BATCH, BATCHES = 2, 4, 10  # per worker and epoch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def run(scheduled: bool = False, **options) -> dict:
+    """Train with the last worker 10x slower; what each worker saw, gathered."""
+    size, rank = hvd.size(), hvd.rank()
+    g = torch.Generator().manual_seed(0)
+    rows = BATCH * BATCHES * size
+    data = TensorDataset(torch.randn(rows, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (rows,)))
+    sampler = hvd.DistributedSampler(data, batch_size=BATCH, drop_last=True)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, drop_last=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(opt, model.named_parameters(), sync="backup", backups=1, margin=None, **options)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduled else None
+    slow = rank == size - 1
+    computed, rounds = 0, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(EPOCHS):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                time.sleep(0.05 if slow else 0.005)
+                opt.step()
+                computed += 1
+            rounds.append(opt._collsync.round)
+            if schedule is not None:
+                schedule.step()  # once per epoch
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mine = {
+        "params": params,
+        "computed": computed,
+        "caught_up": opt.caught_up,
+        "rounds": rounds,
+        "warned": [str(w.message) for w in caught if "learning-rate scheduler" in str(w.message)],
+    }
+    opt.close()
+    return {"all": hvd.allgather_object(mine), "slow": size - 1}
+
+
+def check_replicas(got: dict) -> None:
+    everyone = got["all"]
+    assert all(torch.equal(w["params"], everyone[0]["params"]) for w in everyone)  # bit for bit
+    # Every worker ends each epoch at the same round: its computed steps and its caught-up rounds make the epoch.
+    assert all(w["rounds"] == [BATCHES * (e + 1) for e in range(EPOCHS)] for w in everyone), everyone
+    assert all(w["computed"] + w["caught_up"] == EPOCHS * BATCHES for w in everyone)
+
+
+needs_two = pytest.mark.skipif(
+    __import__("mpi4py.MPI").MPI.COMM_WORLD.Get_size() < 2, reason="a late worker needs another one"
+)
+
+
+@needs_two
+def test_a_late_worker_applies_the_rounds_it_missed_and_skips_their_batches():
+    got = run()
+    check_replicas(got)
+    slow = got["all"][got["slow"]]
+    assert slow["caught_up"] > 0 and slow["computed"] < EPOCHS * BATCHES, slow
+    assert not slow["warned"]
+
+
+@needs_two
+def test_with_a_scheduler_attached_the_late_worker_computes_every_batch_unless_told():
+    got = run(scheduled=True)
+    check_replicas(got)
+    slow = got["all"][got["slow"]]
+    assert slow["caught_up"] == 0 and slow["computed"] == EPOCHS * BATCHES
+    assert len(slow["warned"]) == 1 and "catch_up=True" in slow["warned"][0]
+    # A per-epoch schedule: every worker applies each epoch's rounds at that epoch's rate, so catch-up is safe.
+    told = run(scheduled=True, catch_up=True)
+    check_replicas(told)
+    assert told["all"][told["slow"]]["caught_up"] > 0
+
+
+def test_catch_up_is_an_option_of_serverless_backup_only():
+    with pytest.raises(ValueError, match="catch_up=True is for serverless backup"):
+        hvd.sync_config("bsp", catch_up=True)
+    with pytest.raises(ValueError, match="catch_up='yes' must be True, False or None"):
+        hvd.sync_config("backup", catch_up="yes")
+    assert hvd.sync_config("backup", catch_up=False).catch_up is False
