@@ -54,6 +54,7 @@ IMPORT = "import collsync.torch as hvd  # was: import horovod.torch as hvd"
 EPOCH = re.compile(r"epoch (\d+)/\d+: loss \S+, test accuracy ([0-9.]+) at ([0-9.]+) s")
 FINAL = re.compile(r"test accuracy: ([0-9.]+)")
 DROPPED = re.compile(r"gradients dropped: (\d+)")
+CAUGHT_UP = re.compile(r"rounds caught up: (\d+)")
 
 
 def have_horovod() -> bool:
@@ -94,13 +95,14 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
     if proc.returncode != 0 or not final:
         return {**run, "ok": False, "error": (proc.stderr or proc.stdout)[-600:]}
     epochs = [(float(t), float(a)) for _, a, t in EPOCH.findall(proc.stdout)]
-    dropped = DROPPED.findall(proc.stdout)
+    dropped, caught_up = DROPPED.findall(proc.stdout), CAUGHT_UP.findall(proc.stdout)
     return {
         **run,
         "ok": True,
         "epochs": epochs,
         "final": float(final[-1]),
         "dropped": int(dropped[-1]) if dropped else 0,
+        "caught_up": int(caught_up[-1]) if caught_up else 0,
     }
 
 
@@ -145,6 +147,7 @@ def summarise(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:
                 "reached": len(times),
                 "time_to_target": spread(times),
                 "dropped": spread([float(r["dropped"]) for r in mine]) if side == "backup" else None,
+                "caught_up": spread([float(r.get("caught_up", 0)) for r in mine]) if side == "backup" else None,
                 "failed": len([r for r in runs if r["scenario"] == scenario and r["side"] == side and not r["ok"]]),
             }
         base = rows.get(reference, {}).get("time_to_target")
@@ -164,15 +167,17 @@ def table(summary: dict[str, Any], reference: str) -> str:
         "|---|---|---|---:|---|---:|",
     ]
     for scenario, block in summary.items():
+        target = "no target" if block["target"] is None else f"target {block['target']:.3f}"
         for side, row in block["sides"].items():
             t, f = row["time_to_target"], row["final"]
             when = f"{t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f})" if t else "never"
             sooner = f"{row['sooner_than_reference']:.2f}" if row["sooner_than_reference"] else "-"
             points = row["final_minus_reference"]
             lines.append(
-                f"| {scenario} (target {block['target']:.3f}) | {side} | {when}; {row['reached']}/{row['runs']} | "
+                f"| {scenario} ({target}) | {side} | {when}; {row['reached']}/{row['runs']} | "
                 f"{sooner} | {f['median']:.3f} ({f['min']:.3f}-{f['max']:.3f}) | "
-                f"{100 * points:+.1f} |"
+                + ("-" if points is None else f"{100 * points:+.1f}")
+                + " |"
             )
     return "\n".join(lines)
 
