@@ -50,6 +50,7 @@ class PartialMode(Mode):
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.st = st
+        self.passes = passes  # batches (backward passes) a step, so a round skipped is that many batches
         self.optimizer = optimizer  # the wrapped optimizer: whether a learning-rate scheduler is attached
         self.catch_up = config.catch_up
         self.caught_up = 0  # rounds this worker applied without computing for them (their batches skipped)
@@ -115,8 +116,8 @@ class PartialMode(Mode):
 
     def _catch_up(self, base: Callable[[Any], Any]) -> None:
         """This worker came after its round completed: apply every further round already complete (each with the
-        user's optimizer, as every replica applies it), at most the batches its sampler can still skip, and skip
-        that many. The last mean read is left in the gradients for `step()` to apply."""
+        user's optimizer, as every replica applies it), at most as many as its sampler can still skip (a round is
+        `passes` batches), and skip their batches. The last mean read is left in the gradients for `step()`."""
         sampler = skipper()
         if self.pa is None or self.catch_up is False or sampler is None:
             return
@@ -130,7 +131,7 @@ class PartialMode(Mode):
                     stacklevel=4,
                 )
             return
-        room, caught = sampler.skippable(), 0
+        room, caught = sampler.skippable() // self.passes, 0
         while caught < room:
             result = self.pa.try_read(self.quorum, self.round)
             if result is None:
@@ -140,7 +141,7 @@ class PartialMode(Mode):
             self.round += 1
             caught += 1
         if caught:
-            sampler.skip(caught)
+            sampler.skip(caught * self.passes)
             self.caught_up += caught
 
     def join(self) -> int:

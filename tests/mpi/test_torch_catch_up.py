@@ -26,8 +26,9 @@ def world():
     hvd.shutdown()
 
 
-def run(scheduled: bool = False, **options) -> dict:
-    """Train with the last worker 10x slower; what each worker saw, gathered."""
+def run(scheduled: bool = False, passes: int = 1, **options) -> dict:
+    """Train with the last worker 10x slower (`passes` batches, each a backward pass, a step); what each worker saw,
+    gathered."""
     size, rank = hvd.size(), hvd.rank()
     g = torch.Generator().manual_seed(0)
     rows = BATCH * BATCHES * size
@@ -37,7 +38,10 @@ def run(scheduled: bool = False, **options) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = hvd.DistributedOptimizer(opt, model.named_parameters(), sync="backup", backups=1, margin=None, **options)
+    named = model.named_parameters()
+    opt = hvd.DistributedOptimizer(
+        opt, named, backward_passes_per_step=passes, sync="backup", backups=1, margin=None, **options
+    )
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduled else None
     slow = rank == size - 1
     computed, rounds = 0, []
@@ -45,12 +49,14 @@ def run(scheduled: bool = False, **options) -> dict:
         warnings.simplefilter("always")
         for epoch in range(EPOCHS):
             sampler.set_epoch(epoch)
-            for x, y in loader:
-                opt.zero_grad()
+            for i, (x, y) in enumerate(loader):
+                if i % passes == 0:
+                    opt.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 time.sleep(0.05 if slow else 0.005)
-                opt.step()
                 computed += 1
+                if i % passes == passes - 1:
+                    opt.step()
             rounds.append(opt._collsync.round)
             if schedule is not None:
                 schedule.step()  # once per epoch
@@ -58,19 +64,19 @@ def run(scheduled: bool = False, **options) -> dict:
     mine = {
         "params": params,
         "computed": computed,
-        "caught_up": opt.caught_up,
+        "caught_up": opt.caught_up * passes,  # in batches
         "rounds": rounds,
         "warned": [str(w.message) for w in caught if "learning-rate scheduler" in str(w.message)],
     }
     opt.close()
-    return {"all": hvd.allgather_object(mine), "slow": size - 1}
+    return {"all": hvd.allgather_object(mine), "slow": size - 1, "passes": passes}
 
 
 def check_replicas(got: dict) -> None:
-    everyone = got["all"]
+    everyone, per_epoch = got["all"], BATCHES // got["passes"]
     assert all(torch.equal(w["params"], everyone[0]["params"]) for w in everyone)  # bit for bit
-    # Every worker ends each epoch at the same round: its computed steps and its caught-up rounds make the epoch.
-    assert all(w["rounds"] == [BATCHES * (e + 1) for e in range(EPOCHS)] for w in everyone), everyone
+    # Every worker ends each epoch at the same round: its computed batches and its caught-up rounds make the epoch.
+    assert all(w["rounds"] == [per_epoch * (e + 1) for e in range(EPOCHS)] for w in everyone), everyone
     assert all(w["computed"] + w["caught_up"] == EPOCHS * BATCHES for w in everyone)
 
 
@@ -86,6 +92,13 @@ def test_a_late_worker_applies_the_rounds_it_missed_and_skips_their_batches():
     slow = got["all"][got["slow"]]
     assert slow["caught_up"] > 0 and slow["computed"] < EPOCHS * BATCHES, slow
     assert not slow["warned"]
+
+
+@needs_two
+def test_with_backward_passes_a_round_skipped_is_that_many_batches():
+    got = run(passes=2)
+    check_replicas(got)
+    assert got["all"][got["slow"]]["caught_up"] > 0
 
 
 @needs_two
