@@ -24,12 +24,13 @@ BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 class Mode(Protocol):
     """A sync mode behind `DistributedOptimizer`. The attributes with values are defaults a mode may override:
     `spec` (SpecSync's worker side), `version` (the server version the model holds), `dropped` (gradients a round
-    came too late for), `lost` (the workers the servers went on without) and `finished` (training ended; `step()`
-    no longer changes the model)."""
+    came too late for), `caught_up` (rounds applied without computing for them, having come late), `lost` (the
+    workers the servers went on without) and `finished` (training ended; `step()` no longer changes the model)."""
 
     name: str
     spec: Speculating | None = None
     dropped: int = 0
+    caught_up: int = 0
     finished: bool = False
 
     @property

@@ -118,8 +118,10 @@ class PartialMode(Mode):
         """This worker came after its round completed: apply every further round already complete (each with the
         user's optimizer, as every replica applies it), at most as many as its sampler can still skip (a round is
         `passes` batches), and skip their batches. The last mean read is left in the gradients for `step()`."""
+        if self.pa is None or self.catch_up is False:
+            return
         sampler = skipper()
-        if self.pa is None or self.catch_up is False or sampler is None:
+        if sampler is None:
             return
         if self.catch_up is None and getattr(getattr(self.optimizer, "step", None), "_wrapped_by_lr_sched", False):
             if not self._warned:

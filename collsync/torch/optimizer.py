@@ -156,7 +156,7 @@ class _Distributed:
     def caught_up(self) -> int:
         """Backup workers: rounds this worker applied without computing for them, having come late (`catch_up`):
         its sampler skipped that many batches (0 in other modes)."""
-        return getattr(self._collsync, "caught_up", 0)
+        return self._collsync.caught_up
 
     @property
     def lost(self) -> list[dict[str, Any]]:
