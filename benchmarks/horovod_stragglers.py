@@ -159,6 +159,11 @@ def summarise(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:
     return out
 
 
+def target_label(target: float | None) -> str:
+    """How a scenario's target is named in the table and the figure ("no target" where the reference never ended)."""
+    return "no target" if target is None else f"target {target:.3f}"
+
+
 def table(summary: dict[str, Any], reference: str) -> str:
     """The markdown table for benchmarks/README.md."""
     lines = [
@@ -167,7 +172,7 @@ def table(summary: dict[str, Any], reference: str) -> str:
         "|---|---|---|---:|---|---:|",
     ]
     for scenario, block in summary.items():
-        target = "no target" if block["target"] is None else f"target {block['target']:.3f}"
+        target = target_label(block["target"])
         for side, row in block["sides"].items():
             t, f = row["time_to_target"], row["final"]
             when = f"{t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f})" if t else "never"
@@ -206,9 +211,7 @@ def figure(result: dict[str, Any], path: Path) -> None:
             ax.plot(times, accuracy, marker="o", markersize=3, label=side, **style)
         if block["target"] is not None:  # None: the reference side has no run that ended
             ax.axhline(block["target"], linestyle="--", color="grey", linewidth=1)
-            ax.set_title(f"{scenario} (target {block['target']:.3f})")
-        else:
-            ax.set_title(f"{scenario} (no target)")
+        ax.set_title(f"{scenario} ({target_label(block['target'])})")
         ax.set_xlabel("seconds since training began (median)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("worker 0's test accuracy (median)")
