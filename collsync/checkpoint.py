@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from collsync import ending
 from collsync.rules.base import plain, unplain  # noqa: F401  (rule-state algebra, kept importable from here)
 
 FORMAT = 1
@@ -217,49 +217,23 @@ class Keeper:
 
 
 # -- signals ------------------------------------------------------------------------------------------------
+# The request itself is part of a process's end state (`collsync.ending`), where the transport's start-up waits
+# read it too; here are the handlers that make it.
 
-_requested: int | None = None
-
-
-def requested() -> int | None:
-    """The signal that asked the run to stop, or None."""
-    return _requested
+requested = ending.stop_requested
+stop_now = ending.stop_now
+request = ending.request_stop
+clear = ending.clear_stop
 
 
 def _handler(signum: int, frame: Any) -> None:
-    global _requested
-    if _requested is not None:
-        _exit(signum, "again")  # a second signal: stop now, without a checkpoint
-    _requested = signum
-
-
-def _exit(signum: int, when: str) -> None:
-    """End this process at once with 128 + `signum`, after one line (MPI's launcher then ends the other ranks)."""
-    print(f"collsync: stopped by {signal.Signals(signum).name} {when}", file=sys.stderr, flush=True)
-    os._exit(128 + signum)
-
-
-def stop_now(when: str) -> None:
-    """Where nothing is trained yet (start-up waits): a signal that asked the run to stop ends the process at once
-    (exit 128 + its number) rather than wait for a training loop to look at the flag."""
-    if _requested is not None:
-        _exit(_requested, when)
+    if ending.stop_requested() is not None:
+        ending.stopped(signum, "again")  # a second signal: stop now, without a checkpoint
+    ending.request_stop(signum)
 
 
 def install() -> None:
     """Turn SIGTERM / SIGINT / SIGUSR1 into a request to checkpoint and stop (main thread only)."""
-    global _requested
-    _requested = None
+    ending.clear_stop()
     for name in SIGNALS:
         signal.signal(getattr(signal, name), _handler)
-
-
-def request(signum: int = signal.SIGTERM) -> None:
-    """Ask the run to stop as the signal `signum` would (for tests and for callers embedding a run)."""
-    global _requested
-    _requested = signum
-
-
-def clear() -> None:
-    global _requested
-    _requested = None

@@ -164,19 +164,15 @@ def _fail(message: str, code: int = 2, what: str = "error") -> None:
         sys.exit(code)
     from mpi4py import MPI
 
-    from collsync.runtime.mpi_world import abort, rank_prefix
+    from collsync.ending import end
+    from collsync.runtime.mpi_world import rank_prefix
 
-    if MPI.COMM_WORLD.Get_rank() != 0:
-        time.sleep(_PRINT_GRACE_S)  # rank 0 prints the error all ranks meet, and aborts the world meanwhile
     who = rank_prefix(MPI.COMM_WORLD)
     message = message.removeprefix(f"{who}: ")  # the runtime's own errors name the rank already: once is enough
-    # A newline first: another rank's progress bar may hold the launcher's merged stream mid-line.
-    print(
-        f"\ncollsync-train: {who}: {what + ': ' if what else ''}{message}",
-        file=sys.stderr,
-        flush=True,
-    )
-    abort(MPI.COMM_WORLD, code)
+    # A newline first: another rank's progress bar may hold the launcher's merged stream mid-line. A rank other
+    # than 0 defers: rank 0 prints the error all ranks meet, and aborts the world meanwhile.
+    line = f"\ncollsync-train: {who}: {what + ': ' if what else ''}{message}"
+    end(code, line, comm=MPI.COMM_WORLD, defer=_PRINT_GRACE_S if MPI.COMM_WORLD.Get_rank() != 0 else 0.0)
 
 
 def _check_world() -> None:

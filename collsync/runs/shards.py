@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from collsync import ending
 from collsync.checkpoint import Keeper
 from collsync.checks import check_trace
 from collsync.evaluate import Evaluator
@@ -30,8 +31,8 @@ from collsync.runs.resume import checkpoints, rank0_keeper, restore, resume_coun
 from collsync.runtime.mpi_checkpoint import ShardStates
 from collsync.runtime.mpi_shards import TAG_END, Shards, gather_within
 from collsync.runtime.mpi_specsync import SchedulerService, Speculator, install_safe_points
-from collsync.runtime.mpi_world import leave_at_exit, open_mpi
-from collsync.runtime.watchdog import agree_on_the_end, end_job_at_exit, worker_watchdog
+from collsync.runtime.mpi_world import open_mpi
+from collsync.runtime.watchdog import agree_on_the_end, worker_watchdog
 from collsync.server import Server
 from collsync.trace import Trace
 
@@ -324,13 +325,13 @@ class ShardRun:
         gone = agree_on_the_end(self.comm, blocks, bool(skip), bound)
         closed = False if gone else self.close(timeout=bound)
         if not closed:  # no MPI_Finalize (it waits for the rank gone); under MPICH the others wait for rank 0's abort
-            leave_at_exit(linger=0.0 if open_mpi() or self.comm.Get_rank() == 0 else 2 * grace(deadline))
+            ending.leave_at_exit(linger=0.0 if open_mpi() or self.comm.Get_rank() == 0 else 2 * grace(deadline))
         if self.comm.Get_rank() != 0:
             return None
         server, launch, trace = self.server, self.launch, self.trace
         assert server is not None and launch is not None and trace is not None and self.shards is not None
         if not closed and not open_mpi():  # Open MPI's abort under --enable-recovery ends this rank alone
-            end_job_at_exit(self.comm)
+            ending.abort_at_exit(self.comm)
         lost = lost_workers(trace, [r for r, b in enumerate(blocks) if b is None], launch.hosts)
         params = torch.cat([b[0] for b in blocks[:servers]])
         ema = None if server.ema is None else torch.cat([b[1] for b in blocks[:servers]])

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from collsync.backups import Margin
+from collsync.margin import Margin
 from collsync.runtime.mpi_partial_lost import LostRanks
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import socket
@@ -15,14 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from collsync.checkpoint import stop_now
+from collsync.ending import end, stop_now
 from collsync.runtime.spec import SIZE_VARS, launched_under_mpi
 
 __all__ = [
     "launcher_size",
     "launched_under_mpi",
     "rank_prefix",
-    "abort",
     "abort_on_error",
     "world",
     "set_threads",
@@ -30,7 +28,6 @@ __all__ = [
     "hello",
     "gate",
     "lost",
-    "leave_at_exit",
     "open_mpi",
 ]
 
@@ -268,44 +265,11 @@ def set_threads(comm: Any, node: int | None = None) -> int:
     return threads
 
 
-# How long a failing rank waits between writing its message and aborting. MPI_Abort has the launcher kill every
-# process at once, and output still in the pipes to the launcher's proxies is lost with them (seen with MPICH's
-# Hydra: the error line vanished in about one run of ten); a moment's wait lets the proxies forward it first.
-ABORT_GRACE_S = 1.0
-
-
-def abort(comm: Any, code: int) -> None:
-    """Abort the world with `code` once this rank's stdout and stderr have had time to reach the launcher."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    time.sleep(ABORT_GRACE_S)
-    comm.Abort(code)
-    # Abort returns only where the world is already being torn down (another rank aborted first): leave anyway.
-    os._exit(code)
-
-
 def open_mpi() -> bool:
     """Whether the MPI library is Open MPI (whose `mpirun --enable-recovery` keeps a job whose rank died)."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     return MPI.Get_library_version().startswith("Open MPI")
-
-
-def _leave(code: int, linger: float) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    time.sleep(linger)
-    os._exit(code)
-
-
-def leave_at_exit(code: int = 0, linger: float = 0.0) -> None:
-    """After a rank was lost: end this process at its exit with `code` and without `MPI_Finalize`, which would
-    wait for the lost rank (MPICH's waits on every rank of the world; Open MPI's on windows a dead rank never
-    frees). Registered after mpi4py's own exit hook (which finalizes), so it runs first; what the process does
-    before it exits (rank 0 writing the run folder, Hydra's own end) runs as usual. `linger`: seconds to wait
-    first, for another rank to end the job (MPICH's Hydra sends SIGUSR1, a stop to collsync, to the ranks left
-    once one exits without `MPI_Finalize`: a rank that leaves early stops one still writing the run folder)."""
-    atexit.register(_leave, code, linger)
 
 
 @contextlib.contextmanager
@@ -317,9 +281,7 @@ def abort_on_error(comm: Any, user_errors: tuple[type[BaseException], ...] = ())
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure must take the world down
         if isinstance(exc, user_errors):
-            print(f"collsync: {rank_prefix(comm)}: error: {exc}", file=sys.stderr, flush=True)
-        else:
-            print(f"collsync: {rank_prefix(comm)}: unhandled error:", file=sys.stderr, flush=True)
-            traceback.print_exc()
-            sys.stderr.flush()
-        abort(comm, 1 if not isinstance(exc, user_errors) else 2)
+            end(2, f"collsync: {rank_prefix(comm)}: error: {exc}", comm=comm)
+        print(f"collsync: {rank_prefix(comm)}: unhandled error:", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        end(1, comm=comm)

@@ -16,17 +16,14 @@ also end it; the servers have lost it long before that (their deadline is less t
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+from collsync.ending import end
 from collsync.runtime.mpi_windows import Backoff
-from collsync.runtime.mpi_world import abort
 
 if TYPE_CHECKING:
     from collsync.runtime.mpi_rma import WindowMailbox
@@ -69,15 +66,12 @@ class Watchdog:
                 self._leave()
 
     def _leave(self) -> None:
-        print(
+        end(
+            EXIT_CODE,
             f"\ncollsync: {self.who}: no answer from the server(s) ({self.servers}) for {self.bound:g}s, waiting "
             f"inside MPI: cut off from them, or they stopped; the run goes on or ended without this worker; "
             f"leaving (exit {EXIT_CODE})",
-            file=sys.stderr,
-            flush=True,
         )
-        sys.stdout.flush()
-        os._exit(EXIT_CODE)
 
 
 def worker_watchdog(
@@ -95,17 +89,6 @@ def worker_watchdog(
     servers = ", ".join(where(box.server) for box in mailboxes)
     who = f"{where(rank)}: worker {mailboxes[0].worker}"
     return Watchdog(lambda: min(box.answered for box in mailboxes), bound, who, servers)
-
-
-def end_job_at_exit(comm: Any) -> None:
-    """Rank 0 of collsync-train, after a rank was lost: at exit, once the run folder is written and Hydra is done,
-    `MPI_Abort` with status 0 instead of `MPI_Finalize`. Finalize would wait for the lost rank for ever (MPICH's
-    waits on every rank of the world), and so would the launcher for ranks that merely exit: MPICH's mpiexec keeps
-    waiting for the proxy on a host it can no longer reach (measured: still waiting 120 s after the host's link went
-    down). An abort is the word the launcher acts on at once: it ends every rank it can reach and exits with the
-    abort's status (0 under MPICH's mpiexec, measured), so the job ends as the finished, degraded run it is (`lost`
-    in summary.json says who). Registered after mpi4py's own exit hook, so it runs first."""
-    atexit.register(abort, comm, 0)
 
 
 # Rank 0 -> every rank that answered the final gather: whether a rank is gone (`tell_the_end`). After the gathers'

@@ -27,7 +27,6 @@ parameters and rule states as it saves its own model.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -36,11 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from collsync.ending import end
 from collsync.policy import SyncPolicy
 from collsync.rules import combine
 from collsync.runs.shards import Serving, ShardRun
 from collsync.runtime.mpi_rma import Backoff
-from collsync.runtime.mpi_world import abort, abort_on_error, open_mpi
+from collsync.runtime.mpi_world import abort_on_error, open_mpi
 from collsync.server import Server
 from collsync.torch.config import build, server_penalty
 from collsync.trace import Trace
@@ -96,9 +96,8 @@ def serve_forever(st: World) -> None:
         if st.world.Get_rank() == 0 and not open_mpi():
             live = [st.servers + w for w in range(last.workers) if w not in lost]
             hear_byes(st.world, live)
-            abort(st.world, 0)
-        sys.stderr.flush()
-        os._exit(0)
+            end(0, comm=st.world)
+        end(0)
     sys.exit(0)
 
 

@@ -9,17 +9,13 @@ gradient each, `config.server_momentum`) plus the penalty; the user's optimizer'
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-import time
 import warnings
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import torch
 
+from collsync import ending
 from collsync.loops import Worker, pull, push
 from collsync.lost import grace, silence_bound
 from collsync.runtime.mpi_shards import Shards
@@ -193,42 +189,25 @@ def _shard_states(saved: dict[str, Any] | None, servers: int, name: str) -> list
     return list(saved["shards"])
 
 
-_failed = False  # an exception reached the top of the script (its exit status is then 1, not 0)
-_registered = False
+_leaving = False  # exit_without_finalize was called
 
 
 def exit_without_finalize(world: Any = None, deadline: float | None = None) -> None:
     """After a worker was lost, end this process at exit without `MPI_Finalize`: MPICH's waits on every rank of
     the world, the lost one included, for ever. The script runs to its end as usual; then `shutdown()` (the server
     ranks are released), a word to server rank 0 that this script ended (`_serve.say_bye`), and the process exits
-    0, or 1 if an exception ended the script. Under MPICH a worker that ended well first waits (at most twice the
-    grace) for server rank 0 to end the job (`MPI_Abort(0)` once every live worker's script ended): mpiexec would
-    otherwise wait for ever on a lost worker's host it cannot reach, and a rank that leaves early may have the
-    others stopped while they still run their scripts. Without `world` (serverless: no server rank 0), only the
-    exit without `MPI_Finalize`."""
-    global _registered
-    if _registered:
+    0 (`collsync.ending`: an exception that ends the script ends the job, as everywhere). Under MPICH a worker
+    first waits (at most twice the grace) for server rank 0 to end the job (`MPI_Abort(0)` once every live worker's
+    script ended): mpiexec would otherwise wait for ever on a lost worker's host it cannot reach, and a rank that
+    leaves early may have the others stopped while they still run their scripts. Without `world` (serverless: no
+    server rank 0), only the exit without `MPI_Finalize`."""
+    global _leaving
+    if _leaving:
         return
-    _registered = True
-    previous = sys.excepthook
+    _leaving = True
+    ending.at_exit(shutdown)  # nothing if the script called it (an optimizer closed by `close()` alone has servers)
+    if world is not None:
+        from collsync.torch._serve import say_bye  # lazily, as in `__init__`: the server side's module
 
-    def failed(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        global _failed
-        _failed = True
-        previous(kind, exc, tb)
-
-    sys.excepthook = failed
-
-    def leave() -> None:
-        shutdown()  # nothing if the script called it (an optimizer closed by `close()` alone still has servers)
-        if world is not None:
-            from collsync.torch._serve import say_bye  # lazily, as in `__init__`: the server side's module
-
-            say_bye(world, grace(deadline))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if world is not None and not _failed and not open_mpi():
-            time.sleep(2 * grace(deadline))
-        os._exit(1 if _failed else 0)
-
-    atexit.register(leave)
+        ending.at_exit(lambda: say_bye(world, grace(deadline)))
+    ending.leave_at_exit(linger=2 * grace(deadline) if world is not None and not open_mpi() else 0.0)

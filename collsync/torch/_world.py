@@ -9,20 +9,17 @@ workers, `rank()` is 0..size()-1. Without servers, every rank is a worker, as un
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
-import sys
-import time
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
+from collsync import ending
 from collsync.policy import DEADLINE
+from collsync.runtime import startup
 from collsync.runtime.mpi_coll import shutdown as leave_together
 from collsync.runtime.mpi_world import (
     RankLost,
-    abort,
     check_world_size,
     hello,
     launcher_size,
@@ -100,18 +97,22 @@ def init(
     global _STATE
     if process_sets is not None:
         raise NotImplementedError("collsync.torch.init: process sets are not supported (process_sets=...)")
+    config = sync_config(sync) if sync is not None else None
+    if deadline is None:
+        deadline = config.policy.deadline if config is not None else DEADLINE
+    startup.arm("collsync", deadline)  # MPI_Init (the import below) waits for every rank: bounded by the deadline
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
+    startup.mpi_up()
     if _STATE is not None:
         return  # Horovod allows init() more than once
     world = _world_comm(MPI, comm)
-    config = sync_config(sync) if sync is not None else None
     servers = _servers(servers, config, world.Get_size())
     backend = _backend(backend, config)
-    if deadline is None:
-        deadline = config.policy.deadline if config is not None else DEADLINE
-    _install_excepthook()
+    # An exception that ends the script on one rank ends the job (the others would wait for it until the deadline).
+    ending.watch_failures(world, _who, quiet=(RankLost,))
     hello(world, deadline)  # bounded: a rank that never arrives is named, not waited for (its host is kept)
+    startup.disarm()
     node, cores = node_layout(world, deadline)  # collective over the whole world: servers included
     set_threads(world, node)
     oversubscribed = node > cores
@@ -146,7 +147,7 @@ def init(
         from collsync.runtime.horovod import init as horovod_init  # lazily: Horovod is optional
 
         horovod_init(comm_w)
-    atexit.register(shutdown)
+    ending.at_exit(shutdown)
 
 
 def _world_comm(MPI: Any, comm: Any) -> Any:  # noqa: N803 - the module's own name
@@ -214,39 +215,24 @@ def shutdown() -> None:
     _STATE = None
 
 
-# How long a rank other than 0 waits before it reports a lost rank itself: rank 0 reports the same loss and aborts
-# the job meanwhile, so the line appears once (as collsync-train's errors do).
-_REPORT_GRACE_S = 3.0
-
-
 def fatal(exc: BaseException) -> None:
     """Report a lost rank in one line and end the job: `MPI_Abort`, not `os._exit`. Abort has the launcher end
     every rank, the stopped or hung one included; a rank that only exits leaves it, and under `srun` (which keeps
-    a step's other tasks running by default) the job would wait for it until its time limit. Exit status 2."""
+    a step's other tasks running by default) the job would wait for it until its time limit. Exit status 2; a
+    rank other than 0 defers, as rank 0 reports the same loss and aborts the job meanwhile."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
-    if MPI.COMM_WORLD.Get_rank() != 0:
-        time.sleep(_REPORT_GRACE_S)
-    print(f"collsync: {exc}", file=sys.stderr, flush=True)
-    abort(MPI.COMM_WORLD, 2)
+    defer = ending.REPORT_GRACE_S if MPI.COMM_WORLD.Get_rank() != 0 else 0.0
+    ending.end(ending.DEADLINE, f"collsync: {exc}", comm=MPI.COMM_WORLD, defer=defer)
 
 
-_PREVIOUS_HOOK = sys.excepthook
+def _who() -> str:
+    """How a failure line names this rank: `where()` once initialised, else its rank in the world."""
+    if _STATE is None:
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
-
-def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-    """An uncaught `RankLost` in a script: one line and the job ends (`fatal`), no traceback through the user's
-    loop; anything else as Python shows it."""
-    if isinstance(exc, RankLost):
-        fatal(exc)
-    _PREVIOUS_HOOK(kind, exc, tb)
-
-
-def _install_excepthook() -> None:
-    global _PREVIOUS_HOOK
-    if sys.excepthook is not _excepthook:
-        _PREVIOUS_HOOK = sys.excepthook
-        sys.excepthook = _excepthook
+        return f"rank {MPI.COMM_WORLD.Get_rank()} on {socket.gethostname()}"
+    return where()
 
 
 def is_initialized() -> bool:

@@ -111,3 +111,25 @@ def test_the_digits_load_without_scikit_learn_or_scipy() -> None:
     loaded = loaded_after("from collsync.data import digits\ndigits()")
     assert "collsync.bundled" in loaded  # the check below is not vacuous
     assert not [m for m in loaded if m.split(".")[0] in ("sklearn", "scipy")]
+
+
+# What the transport (runtime/) may import from the rest of collsync: the plain data types and arithmetic below
+# it, the one record of how a process ends, and SpecSync's protocol it carries. Never the core's checkpoint, policy
+# or backups modules, nor anything above (runs/, torch/, the trainer): it only moves tensors.
+TRANSPORT_MAY_IMPORT = {"types", "flat", "trace", "ending", "margin", "specsync"}
+
+
+def test_the_transport_imports_only_what_lies_below_it() -> None:
+    graph = import_graph()
+    transport = [name for name in graph if name.startswith("collsync.runtime")]
+    assert "collsync.runtime.mpi_world" in transport  # the check below is not vacuous
+    up = {
+        name: sorted(d for d in graph[name] if not d.startswith("collsync.runtime"))
+        for name in transport
+        if any(
+            d.removeprefix("collsync.") not in TRANSPORT_MAY_IMPORT
+            for d in graph[name]
+            if not d.startswith("collsync.runtime")
+        )
+    }
+    assert up == {}, f"runtime/ reaches up: {up}"

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from collsync.backups import Margin
 from collsync.checks import check_trace
 from collsync.loops import apply_result, check_policy, run_partial
+from collsync.margin import Margin
 from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rules import sgd
 from collsync.runtime.mpi_partial import PartialResult

@@ -1,0 +1,66 @@
+"""The adaptive margin of serverless backup workers: how long a round waits, after its quorum-th gradient, for
+the others. Plain arithmetic on measured times, below the transport that measures them (`runtime/mpi_partial`) and
+the fronts that choose it (`margin="auto"`); `collsync.backups` holds the offline choice of b."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Margin:
+    """How long a round of backup workers waits, after its quorum-th gradient, for the others (`margin="auto"`).
+
+    000_... (§3.1) fixes b for a run: each round averages the first N = n - b gradients and drops the rest, also
+    when nobody straggles, so the same epochs apply fewer gradients (`backups.predict` chooses that b offline, for
+    the most applied gradients per second N / round time). Here a round takes every gradient that comes within a
+    margin m of its N-th one, and drops only later ones; m is set per round from the arrivals measured before:
+
+        m = clamp(mean_gap + 4 dev_gap,  T / N,  T)
+
+    mean_gap and dev_gap: a running mean and mean deviation (Jacobson's estimator, as TCP's retransmission timer
+    uses it: gains 1/8 and 1/4) of the time from the N-th arrival to the last, over the rounds in which all n came
+    within the margin; a round whose margin ran out with ranks missing halves the estimate instead (a rank that
+    stays slow stops costing waits; the next complete round sets it again). T: the period of the rounds, as the
+    rank that closes this one (the N-th arrival) measured it: from its arrival in the round before to this one
+    (its compute, and the last round's communication and waiting, so T scales with the machine's load as the
+    jitter does). The bounds: a gradient that comes within T / N keeps the gradients per second, 000_...'s
+    measure, at least N / T ((N + 1) / (T + T / N) = N / T), so that much waiting is always worth trying; a round
+    never more than doubles for a late one. Before any complete round the margin is T (wait, and measure).
+
+    T holds the waits, so a worker that is late in every round by more than a step (one persistently 3x slower)
+    would be waited for every round and set everyone's pace: T grows by its own lateness. So when the rounds that
+    waited for everyone waited longer, on average, than one step S of the closing rank (from reading the last
+    round's mean to its arrival in this one: its compute), m is only the T / N that is always worth trying, and that
+    worker is dropped (with `catch_up`, it then skips to the current round). Not S as the upper bound itself: where a
+    rank's one-sided operations progress only while the host is inside MPI (off shared memory without a progress
+    thread), a worker dropped once lags by the host's whole step, and only a wait of about T brings it back in step;
+    for the same reason the bound is T / N, not S / N: with a quorum of 1 (2 workers, 1 backup) T / N is the whole
+    period, and such a worker is still waited for.
+    """
+
+    mean: float | None = None
+    dev: float = 0.0
+    estimate: float | None = None
+
+    def limit(self, period: float, quorum: int, step: float | None = None) -> float:
+        """The margin in seconds for a round of `quorum` gradients at `period` seconds a round (T above), `step`
+        seconds the closing rank's own step (S above; None: not known)."""
+        high = max(period, 0.0)
+        if step is not None and self.mean is not None and self.mean > step:
+            return high / quorum  # the late ones come more than a step late: only what is always worth trying
+        guess = high if self.estimate is None else self.estimate
+        return min(high, max(high / quorum, guess))
+
+    def observe(self, gap: float, complete: bool, limit: float) -> None:
+        """After a round: `gap`, seconds from its quorum-th arrival to its last one seen; `complete`, whether every
+        rank came within `limit`, the margin it had."""
+        if not complete:
+            self.estimate = limit / 2
+            return
+        if self.mean is None:
+            self.mean, self.dev = gap, gap / 2
+        else:
+            self.dev += (abs(gap - self.mean) - self.dev) / 4
+            self.mean += (gap - self.mean) / 8
+        self.estimate = self.mean + 4 * self.dev
