@@ -8,7 +8,8 @@ world is aborted rather than left hanging. Anything else is a bug and keeps its 
 
 collsync's own modules, and mpi4py, are imported inside the functions that use them: `--version` answers without
 loading torch, and under a launcher MPI is initialised in `_check_world`, before the stop-signal handlers go in
-(a rank held inside MPI_Init would never run them) and before torch loads.
+(a rank held inside MPI_Init would never run them) and before torch loads, bounded by the start-up watchdog
+(`collsync.runtime.startup`: a rank that never starts ends the job within `sync.deadline`).
 """
 
 from __future__ import annotations
@@ -180,28 +181,37 @@ def _check_world() -> None:
     python: every rank is a world of its own). The launcher's rank 0 prints one line; the others exit quietly."""
     if not launched_under_mpi():
         return
+    from collsync.runtime import startup
     from collsync.runtime.mpi_world import world
 
+    # MPI_Init (in `world`) waits until every rank the launcher started has joined: a rank that never does would hold
+    # this one there for ever, where no deadline of the runtime's reaches. The start-up watchdog bounds it.
+    startup.arm("collsync-train", _startup_deadline(sys.argv[1:]))
     try:
         world()
     except RuntimeError as exc:  # check_world_size's mismatch: MPI itself is up, but each rank is alone in it
         if launcher_rank() == 0:
             print(f"collsync-train: rank 0: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    startup.mpi_up()
 
 
 def _startup_deadline(argv: list[str]) -> float | None:
-    """The deadline of the start-up exchange, before Hydra composed the config: `sync.deadline=` as given on the
-    command line (null: none), else the policies' default."""
+    """The deadline of MPI's start-up and of the start-up exchange, before Hydra composed the config (which needs
+    every rank in to report an error once): `sync.deadline=` as given on the command line (null: none), else the
+    policies' default, also for a value the config refuses (not a number, not > 0), which it then names."""
     from collsync.policy import DEADLINE
 
     given = [a.split("=", 1)[1] for a in argv if a.startswith(("sync.deadline=", "++sync.deadline="))]
     if not given:
         return DEADLINE
+    if given[-1] in ("null", "None"):
+        return None
     try:
-        return None if given[-1] in ("null", "None") else float(given[-1])
+        value = float(given[-1])
     except ValueError:
         return DEADLINE  # Hydra's composition names the bad value in its own words, once every rank is in
+    return value if 0 < value < float("inf") else DEADLINE
 
 
 def _shared_run_dir() -> None:
@@ -212,12 +222,14 @@ def _shared_run_dir() -> None:
         return
     from mpi4py import MPI
 
+    from collsync.runtime import startup
     from collsync.runtime.mpi_world import RankLost, hello
 
     try:
         hello(MPI.COMM_WORLD, _startup_deadline(sys.argv[1:]))
     except RankLost as exc:
-        _fail(str(exc))
+        _fail(str(exc))  # ends the job well before the start-up watchdog's backstop would
+    startup.disarm()
     if any(a.startswith(("hydra.run.dir=", "-m", "--multirun")) for a in sys.argv):
         return
     stamp = MPI.COMM_WORLD.bcast(time.strftime("%Y-%m-%d/%H-%M-%S") if MPI.COMM_WORLD.Get_rank() == 0 else None)

@@ -8,12 +8,14 @@ bsp, `runtime=allreduce`, `runtime=partial` and backup with more workers lost th
 inside one MPI job when a rank is lost: the run stops with its checkpoint (exit 2 after `sync.deadline` for a
 stopped rank; at once, by the launcher, for a killed one). This supervisor then launches the same command again
 with `resume=auto` in the same run folder on n - lost ranks, where lost is what the run left: the ranks its log and
-its summary's `incomplete` line name, else 1 (the launcher reports a dead process without its rank); never fewer
-than `--min-np`. The resumed run starts at the checkpoint's step (`runs.resume.refit` carries the server's state to
-the new number of workers). A job that finished, failed without losing a rank (a config error), or was stopped by
-a signal is not restarted. Each restart is one line on stderr; at the end the run folder's `summary.json` gets a
-`restarts` list (attempt, ranks, lost, why, from_step). SIGTERM, SIGINT and SIGUSR1 to the supervisor go to the
-job (which checkpoints and stops) and end the supervisor with the job's status, without a restart.
+its summary's `incomplete` line name, else 1 (the launcher reports a dead process without its rank, and a rank that
+never started holds the others inside MPI's start-up, where each can only say that it waited: they end within
+`sync.deadline`, `collsync.runtime.startup`); never fewer than `--min-np`. The resumed run starts at the
+checkpoint's step (`runs.resume.refit` carries the server's state to the new number of workers). A job that
+finished, failed without losing a rank (a config error), or was stopped by a signal is not restarted. Each restart
+is one line on stderr; at the end the run folder's `summary.json` gets a `restarts` list (attempt, ranks, lost,
+why, from_step). SIGTERM, SIGINT and SIGUSR1 to the supervisor go to the job (which checkpoints and stops) and end
+the supervisor with the job's status, without a restart.
 
 The names follow torchrun (`--max-restarts`) and horovodrun (`-np`, `--min-np`).
 """
@@ -59,7 +61,7 @@ _ROLL = re.compile(r"rank\(s\) ([\d, -]+) of \d+ did not arrive")
 _DIED = (
     "BAD TERMINATION",  # MPICH's mpiexec (Hydra): a process died by a signal
     "exited on signal",  # Open MPI
-    "did not complete within deadline",
+    "did not complete within deadline",  # the runtime's waits, and MPI's start-up (collsync.runtime.startup)
     "got no gradient within deadline",
     "no word from the server",
     "did not arrive",

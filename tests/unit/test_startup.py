@@ -1,0 +1,157 @@
+"""The start-up watchdog (collsync/runtime/startup.py) without MPI: the deadline each entry point arms it with, the
+line it writes, the Slurm step it cancels, how `collsync-run` reads its line, and the mechanism itself on a process
+that holds Python's GIL in C (as MPI_Init does inside mpi4py's import), where no Python thread could run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from collsync import cli
+from collsync.policy import DEADLINE
+from collsync.runtime import mpi_world, startup
+from collsync.supervise import decide, observe
+
+LAUNCHED = {"PMI_SIZE": "4", "PMI_RANK": "1"}
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
+    """`startup.arm` and `mpi_up` recorded instead of run; `mpi_world.world` a stub (no MPI in-process)."""
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(startup, "arm", lambda prog, deadline: calls.append((prog, deadline)))
+    monkeypatch.setattr(startup, "mpi_up", lambda: calls.append(("mpi_up", None)))
+    monkeypatch.setattr(mpi_world, "world", lambda: None)
+    for var, value in LAUNCHED.items():
+        monkeypatch.setenv(var, value)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("argv", "deadline"),
+    [
+        ([], DEADLINE),
+        (["sync=async"], DEADLINE),
+        (["sync=async", "sync.deadline=15"], 15.0),
+        (["++sync.deadline=2.5"], 2.5),
+        (["sync.deadline=null"], None),
+        (["sync.deadline=0"], DEADLINE),  # refused by the config once composed, which names it
+        (["sync.deadline=soon"], DEADLINE),
+    ],
+)
+def test_collsync_train_arms_the_watchdog_with_the_run_deadline_before_mpi(recorded, monkeypatch, argv, deadline):
+    monkeypatch.setattr(sys, "argv", ["collsync-train", *argv])
+    cli._check_world()
+    assert recorded == [("collsync-train", deadline), ("mpi_up", None)]
+
+
+def test_the_default_deadline_is_the_policies(recorded, monkeypatch):
+    """Nothing on the command line: the watchdog gets policy.DEADLINE, which every sync option's default is."""
+    monkeypatch.setattr(sys, "argv", ["collsync-train"])
+    cli._check_world()
+    assert recorded[0] == ("collsync-train", 600.0) and DEADLINE == 600.0
+    options = sorted((Path(cli.CONF_DIR) / "sync").glob("*.yaml"))
+    assert options
+    for option in options:
+        assert "\ndeadline: 600.0\n" in option.read_text(), option.name
+
+
+class _Armed(Exception):
+    """Raised by the stub `arm` to stop `init` before it imports mpi4py."""
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "deadline"),
+    [({}, DEADLINE), ({"deadline": 12.0}, 12.0), ({"sync": "backup", "deadline": 7.0}, 7.0)],
+)
+def test_collsync_torch_init_arms_the_watchdog_before_mpi(monkeypatch, kwargs, deadline):
+    from collsync.torch import _world
+
+    def arm(prog: str, given: float | None) -> None:
+        raise _Armed(prog, given)
+
+    monkeypatch.setattr(startup, "arm", arm)
+    with pytest.raises(_Armed) as caught:
+        _world.init(**kwargs)
+    assert caught.value.args == ("collsync", deadline)
+
+
+def test_the_line_names_the_rank_the_size_the_launcher_announced_and_the_host():
+    text = startup.line("collsync-train", 15.0, {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"}, "node7")
+    assert "\n" not in text
+    assert text.startswith("collsync-train: rank 3 of 4 on node7: start-up: MPI's start-up (MPI_Init) did not ")
+    assert "within deadline=15s" in text and "(OMPI_COMM_WORLD_SIZE=4)" in text
+
+
+def test_the_backstop_on_the_exchange_comes_after_its_own_report():
+    """Once MPI is up, `hello` waits `deadline`, then its roll call (up to ROLL_WINDOW_S), then reports (3 s for a
+    rank other than 0, 1 s before MPI_Abort): the backstop leaves room beyond all of it."""
+    for deadline in (1.0, 10.0, 600.0):
+        roll = min(mpi_world.ROLL_WINDOW_S, max(1.0, deadline))
+        assert startup.exchange_bound(deadline) >= deadline + roll + 10.0
+
+
+@pytest.mark.parametrize(
+    ("env", "step"),
+    [
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2"}, "7.0"),
+        # MPICH's mpiexec inside an allocation: the ranks are in its proxies' step, one task a node
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, ""),
+        ({"SLURM_JOB_ID": "7"}, ""),  # a batch script's own shell
+        ({}, ""),
+    ],
+)
+def test_the_child_cancels_only_a_step_whose_tasks_are_the_ranks(env, step):
+    assert startup.slurm_step({"PMI_SIZE": "4", "PMI_RANK": env.get("SLURM_PROCID", "2"), **env}) == step
+
+
+def test_collsync_run_reads_the_start_up_line_as_one_lost_rank(tmp_path):
+    """The waiting ranks cannot know which rank never started: one lost, unnamed (never the rank that says it),
+    and the job is restarted on one rank fewer."""
+    output = "\n".join(startup.line("collsync-train", 15.0, {"PMI_SIZE": "4", "PMI_RANK": str(r)}) for r in (0, 1, 3))
+    seen = observe(1, output, tmp_path, time.time())
+    assert seen.died and not seen.lost
+    decision = decide(seen, ranks=4, min_ranks=1, restarts_left=1)
+    assert decision.restart and decision.ranks == 3
+
+
+# A process that arms the watchdog, then holds the GIL in C for a minute (ctypes' PyDLL keeps it through the call,
+# as mpi4py's import does through MPI_Init); with DISARM it disarms first and exits 0 after a few seconds.
+_HOLDER = """
+import ctypes, sys, time
+from collsync.runtime import startup
+startup.arm("collsync-test", float(sys.argv[1]))
+if sys.argv[2:] == ["disarm"]:
+    startup.mpi_up()
+    startup.disarm()
+    time.sleep(float(sys.argv[1]) + startup.EXIT_GRACE_S + 1)
+    print("still here", flush=True)
+    sys.exit(0)
+ctypes.PyDLL(None).sleep(60)
+"""
+
+
+def _hold(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {**os.environ, **LAUNCHED}
+    env.pop(startup.STALL_ENV, None)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _HOLDER, *args], capture_output=True, text=True, env=env, timeout=60)
+    return proc, time.monotonic() - start
+
+
+def test_a_process_held_in_c_with_the_gil_ends_after_one_line():
+    proc, took = _hold("1")
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "rank 1 of 4 on " in lines[0] and "within deadline=1s" in lines[0], proc.stderr
+    assert 1.0 + startup.EXIT_GRACE_S <= took < 20.0, took
+
+
+def test_a_disarmed_watchdog_says_nothing_and_leaves_no_child():
+    proc, _ = _hold("1", "disarm")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "still here\n", "")
