@@ -87,6 +87,13 @@ ENDINGS: tuple[Ending, ...] = (
         "a worker's servers did not answer within its silence bound",
     ),
     Ending(
+        "not started",
+        "1",
+        "one line from the start-up watchdog's child process, then `_exit(1)` by `faulthandler`'s timer (no Python "
+        "thread runs inside MPI_Init); under `srun` the child then cancels the step",
+        "MPI's start-up did not complete within the deadline: a rank never started (`collsync.runtime.startup`)",
+    ),
+    Ending(
         "stopped",
         "128 + signal",
         "`Preempted` after a checkpoint; a second signal, or one during start-up: one line, then `os._exit`",

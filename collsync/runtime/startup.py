@@ -21,8 +21,9 @@ Once MPI is up (`mpi_up`), the bound becomes a backstop for the start-up exchang
 by the same deadline and names the ranks that did not arrive (it is given that time, its roll call and its report
 first); `disarm`, after the exchange, ends both. The deadline is the run's own `sync.deadline` (`init(deadline=...)`
 in a `collsync.torch` script): a rank missing at the start is a rank lost, and a second knob would only be set to
-the same value. `faulthandler` keeps one such timer per process: a script's own `dump_traceback_later` is replaced
-while the start-up is watched.
+the same value. It counts from this rank's own `arm`, so it must also cover how much later the last healthy rank
+gets there (its imports: seconds, or more from a shared file system on a large job). `faulthandler` keeps one such
+timer per process: a script's own `dump_traceback_later` is replaced while the start-up is watched.
 """
 
 from __future__ import annotations
