@@ -212,6 +212,7 @@ def run_server(
     publish_delay: float = 0.0,
     between: Callable[[Server], None] | None = None,
     poll: Callable[[], float] | None = None,
+    waiting: Callable[[list[int]], None] | None = None,
 ) -> Server:
     """Receive, accept, publish until `server.done`; then drop what is still in flight.
 
@@ -234,6 +235,9 @@ def run_server(
 
     `poll()`: called on every turn of the loop (SpecSync's scheduler co-located with this server); it returns the
     monotonic time by which it must be called again, which bounds the wait for the next gradient.
+
+    `waiting(out)`: training is over but workers are still out after a short wait (`lost.close_serving`): called
+    once, before the rest of the wait for them (at most the deadline), with those workers.
     """
     policy = server.policy
     mailbox.publish(server.view(), server.stamp())
@@ -280,7 +284,7 @@ def run_server(
                 on_update(server)
         if between is not None and not server.done:
             between(server)
-    for arrival in close_serving(server, mailbox):
+    for arrival in close_serving(server, mailbox, waiting):
         server.accept(arrival)
     return server
 

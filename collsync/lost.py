@@ -29,6 +29,10 @@ def silence_bound(deadline: float | None) -> float | None:
     return None if deadline is None else 2 * deadline + grace(deadline)
 
 
+# How long a server waits at the end for its live workers to stop before it goes on without waiting on them
+# (`close_serving`'s `waiting`): a worker mid-step stops within a step; one stopped waits for the deadline.
+END_PATIENCE_S = 5.0
+
 # The least a server sleeps between two looks for lost workers (the deadline counts in seconds).
 LOST_POLL_S = 0.05
 
@@ -65,18 +69,56 @@ def lose_silent(server: Server, mailbox: ServingMailbox, heard: list[float], now
     return bool(silent)
 
 
-def close_serving(server: Server, mailbox: ServingMailbox) -> list[Arrival]:
+def close_serving(
+    server: Server,
+    mailbox: ServingMailbox,
+    waiting: Callable[[list[int]], None] | None = None,
+    patience: float = END_PATIENCE_S,
+) -> list[Arrival]:
     """After the final publish: wait for the live workers to stop (lost ones are not waited for), at most the
-    deadline; those still out then are lost too, where the policy can do without them."""
-    policy = server.policy
+    deadline; those still out then are lost too, where the policy can do without them. `waiting(out)`: called once
+    with the workers still out after `patience` seconds, where the deadline is longer: a worker mid-step stops
+    within a step, one stopped or cut off only at the deadline (600 s by default), and what was trained must not
+    wait on it (rank 0 of collsync-train writes the run folder there)."""
+    deadline = server.policy.deadline
+    start = time.monotonic()
+    if waiting is not None and (deadline is None or patience < deadline) and not _stopped(server, mailbox, patience):
+        waiting(still_out(server, mailbox))
+    rest = None if deadline is None else max(0.0, deadline - (time.monotonic() - start))
     try:
-        # `lost` only when there are: a mailbox wrapped by a caller may take just the timeout.
-        return mailbox.close(policy.deadline, server.lost) if server.lost else mailbox.close(policy.deadline)
+        return _close(server, mailbox, rest)
     except TimeoutError:
-        out = [w for w in range(server.workers) if w not in server.lost and w not in mailbox.departed()]
+        out = still_out(server, mailbox)
         if not out or not all(server.lose(w, *mailbox.locate(w)) for w in out):
             raise
-        return mailbox.close(policy.deadline, server.lost)
+        return mailbox.close(deadline, server.lost)
+
+
+def _stopped(server: Server, mailbox: ServingMailbox, patience: float) -> bool:
+    """Whether every live worker stopped within `patience` seconds. What they send meanwhile is taken as the
+    server loop takes it (after the end: dropped, reason "finished"), so that no worker waits on its slot."""
+    end = time.monotonic() + patience
+    while still_out(server, mailbox):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        arrival = mailbox.recv(timeout=min(LOST_POLL_S, left))
+        if arrival is not None:
+            server.accept(arrival)
+            if not server.holds(arrival.grad):
+                mailbox.recycle(arrival.grad)
+    return True
+
+
+def _close(server: Server, mailbox: ServingMailbox, timeout: float | None) -> list[Arrival]:
+    """`mailbox.close`, passing `lost` only when there are: a mailbox wrapped by a caller may take just the timeout."""
+    return mailbox.close(timeout, server.lost) if server.lost else mailbox.close(timeout)
+
+
+def still_out(server: Server, mailbox: ServingMailbox) -> list[int]:
+    """The workers neither lost nor gone: those the end of the run still waits for."""
+    left = mailbox.departed()
+    return [w for w in range(server.workers) if w not in server.lost and w not in left]
 
 
 def stuck_message(server: Server, describe: Callable[[list[int]], str], silent: list[int] | None = None) -> str:

@@ -11,6 +11,7 @@ run adds what only it has: the evaluation, the checkpoints, the trace and the ru
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -84,6 +85,8 @@ class ShardRun:
         self.speculator: Speculator | None = None
         self.mine: Any = None  # what this rank gives rank 0 at the end
         self.answering: Callable[[], None] | None = None  # a server's answer to state requests while it closes
+        self.served = False  # collsync-train: this shard's final state was sent (shard j) or taken (rank 0)
+        self.evaluated = False  # rank 0 of several shards: the final evaluation was recorded
 
     def open(self) -> None:
         """Collective over the world: the shards' windows, SpecSync's communicator, the state messages, and where
@@ -137,13 +140,9 @@ class ShardRun:
                 publish_delay=self._publish_delay(),
                 between=between,
                 poll=poll,
+                waiting=self._waiting(server),
             )
-            if self.launch is not None and self.states is not None:
-                if shards.rank > 0:
-                    assert self.trace is not None
-                    self.states.send_last(shard_state(server, self.trace))
-                else:
-                    self.states.finish(grace(sv.policy.deadline))  # the others' final states: their sends complete
+            self._served(server)
         if self.service is not None:
             # Every worker says BYE when it leaves; the last leaves after this server stopped under a round policy.
             self.service.close(sv.policy.deadline, tell=sv.until_left)
@@ -224,6 +223,68 @@ class ShardRun:
             return 0.0
         model = launch.parts.stragglers
         return model.slow_server * launch.parts.runtime.time_scale if shards.rank == model.shard else 0.0
+
+    def _waiting(self, server: Server) -> Callable[[list[int]], None] | None:
+        """collsync-train: training is over but workers are still out (stopped, cut off, or mid-step), and the wait
+        for them may last until the deadline: rank 0 writes the run folder now (shard j >= 1 sends it its final
+        state first), so that what was trained never waits on them, nor on whatever ends the job meanwhile."""
+        shards = self.shards
+        assert shards is not None
+        if self.launch is None:
+            return None
+        if shards.rank > 0:
+            return lambda out: self._served(server)
+        return lambda out: self._write_trained(server, out)
+
+    def _write_trained(self, server: Server, out: list[int]) -> None:
+        """Rank 0, while workers `out` are still waited for: the whole run folder, `waiting_on` naming them in
+        summary.json; `finish()` writes it again once they stopped or were lost."""
+        launch, shards, trace = self.launch, self.shards, self.trace
+        assert launch is not None and shards is not None and trace is not None
+        parts = launch.parts
+        self._served(server)  # several shards: their final states, which hold their blocks
+        params, ema = self._trained(server)
+        waiting_on = [{"rank": r, "host": h} for r, h in (shards.own.locate(w) for w in out)]
+        extra = {"hosts": launch.hosts, "waiting_on": waiting_on}
+        write_run(launch.out_dir, trace, parts.policy, server, parts.config, params=params, ema=ema, extra=extra)
+        named = ", ".join(f"rank {x['rank']} on {x['host']}" for x in waiting_on)
+        deadline = parts.policy.deadline
+        until = "for ever (sync.deadline=null)" if deadline is None else f"up to deadline={deadline:g}s, then lost"
+        logging.getLogger("collsync.train").warning(
+            "training is over and the run folder written; waiting for worker(s) %s to stop, %s", named, until
+        )
+
+    def _trained(self, server: Server) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole model once training is over: this shard's block, then the others' from their final states
+        (several shards: evaluated here, the evaluator leaves the final point to its caller)."""
+        if self.states is None:
+            return server.params, server.ema
+        others = [self.states.last[j]["server"] for j in self.states.others]
+        params = torch.cat([server.params, *(s["params"] for s in others)])
+        ema = None if server.ema is None else torch.cat([server.ema, *(s["ema"] for s in others)])
+        self._evaluate_final(server.version, params, ema)
+        return params, ema
+
+    def _evaluate_final(self, version: int, params: torch.Tensor, ema: torch.Tensor | None) -> None:
+        """Several shards: the final evaluation of the assembled model, once (the run folder may be written twice)."""
+        assert self.evaluate is not None
+        if not self.evaluated:
+            self.evaluate.evaluate_at(version, params, ema)
+            self.evaluated = True
+
+    def _served(self, server: Server) -> None:
+        """collsync-train: every shard's final state reaches rank 0 (several shards), once: at the end of the
+        server loop, or earlier where workers were still out once training was over (`_waiting`)."""
+        shards = self.shards
+        assert shards is not None
+        if self.launch is None or self.states is None or self.served:
+            return
+        self.served = True
+        if shards.rank > 0:
+            assert self.trace is not None
+            self.states.send_last(shard_state(server, self.trace))
+        else:
+            self.states.finish(grace(self.serving.policy.deadline))  # the others' final states: their sends complete
 
     def _on_failure(self, server: Server) -> contextlib.AbstractContextManager[Any]:
         """A worker stopped, hung or died, or training diverged: rank 0 keeps what was trained before the error
@@ -322,7 +383,7 @@ class ShardRun:
                 remote = next((b for b in gathered or [] if isinstance(b, dict)), None)  # a scheduler rank's own
                 specsync = specsync_summary(self.service, moved, remote)
         # A rank gone: rank 0 tells the others; none frees the windows (collective: it would touch the rank gone).
-        gone = agree_on_the_end(self.comm, blocks, bool(skip), bound)
+        gone = agree_on_the_end(self.comm, blocks, bool(skip), bound, before=deadline or 0.0)
         closed = False if gone else self.close(timeout=bound)
         if not closed:  # no MPI_Finalize (it waits for the rank gone); under MPICH the others wait for rank 0's abort
             ending.leave_at_exit(linger=0.0 if open_mpi() or self.comm.Get_rank() == 0 else 2 * grace(deadline))
@@ -337,8 +398,7 @@ class ShardRun:
         ema = None if server.ema is None else torch.cat([b[1] for b in blocks[:servers]])
         extra: dict[str, Any] = {}
         if servers > 1:
-            assert self.evaluate is not None
-            self.evaluate.evaluate_at(server.version, params, ema)
+            self._evaluate_final(server.version, params, ema)
             bounds = self.shards.bounds
             extra["shards"] = [{"rank": j, "params": list(bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])]
             extra["partial_pulls"] = sum(b for b in blocks[servers:] if b is not None)  # reads without every shard

@@ -97,13 +97,15 @@ TAG_VERDICT = 79
 _TOLD: list[Any] = []  # rank 0's sends of the word (tell_the_end)
 
 
-def agree_on_the_end(comm: Any, blocks: list[Any], lost: bool, timeout: float | None) -> bool:
+def agree_on_the_end(comm: Any, blocks: list[Any], lost: bool, timeout: float | None, before: float = 0.0) -> bool:
     """After the final gather (`blocks`: rank 0's, None for a rank that did not answer; empty elsewhere), whether a
     rank is gone: on rank 0, one lost (`lost`) or silent at the gather, told to every rank that answered
-    (`tell_the_end`); another rank hears it, and takes no word within 3 x `timeout` (rank 0 may itself wait up to
-    `timeout` for a silent rank at each gather, two with SpecSync, before it tells; no word: rank 0 itself lost)
-    as none gone (its own close is bounded). Then no rank frees the windows: that is collective and would touch
-    the rank gone (between hosts, an error that aborts the job before rank 0 has written the run folder)."""
+    (`tell_the_end`); another rank hears it, and takes no word within `before` + 3 x `timeout` (rank 0 may first
+    wait up to `before` for workers still out when training ended, the deadline, then up to `timeout` for a silent
+    rank at each gather, two with SpecSync, before it tells; no word: rank 0 itself lost) as none gone (its own
+    close is bounded). A rank that gave up earlier would end the job (MPICH) before rank 0 wrote its last word.
+    Then no rank frees the windows: that is collective and would touch the rank gone (between hosts, an error
+    that aborts the job before rank 0 has written the run folder)."""
     if comm.Get_rank() == 0:
         gone = lost or any(b is None for b in blocks)
         tell_the_end(comm, gone, [r for r, b in enumerate(blocks) if b is not None])
@@ -111,7 +113,7 @@ def agree_on_the_end(comm: Any, blocks: list[Any], lost: bool, timeout: float | 
             while _TOLD:  # every rank is there to take its word, and MPI_Finalize follows: complete the sends
                 _TOLD.pop().wait()
         return gone
-    return bool(hear_the_end(comm, None if timeout is None else 3 * timeout))
+    return bool(hear_the_end(comm, None if timeout is None else before + 3 * timeout))
 
 
 def tell_the_end(comm: Any, gone: bool, answered: Collection[int]) -> None:

@@ -8,14 +8,31 @@ stopped instead, which the same code sees the same way."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from collsync.checks import check_trace
+from collsync.lost import END_PATIENCE_S
 from collsync.policy import asynchronous, backup
-from tests.integration.hits import MPICH, OPENMPI_RECOVERY, Hit, Launcher, run_hitting
+from collsync.trace import Trace
+from tests.integration.hits import (
+    MPICH,
+    OPENMPI_RECOVERY,
+    Hit,
+    Launcher,
+    end,
+    rank_pids,
+    run_hitting,
+    train_command,
+    watched,
+    when_checkpointed,
+)
 
 pytestmark = [
     pytest.mark.serial,
@@ -85,3 +102,81 @@ def test_backup_goes_on_without_two_lost_workers(tmp_path, launcher, sig):
     for event in hit.trace.of("apply"):
         late = [w for w in event["workers"] if w in lost and event["version"] > lost[w]["last_update"]]
         assert not late, event
+
+
+# The run folder is written this long at most after training ended, where a worker is still out then (the server's
+# patience, lost.END_PATIENCE_S, plus writing it, on two busy cores).
+WRITTEN = 60
+
+
+def _written(run: Path, proc, err: list[str], bound: float) -> dict:
+    """The summary.json rank 0 writes while the job still waits on a worker, read as soon as it is whole."""
+    path = run / "summary.json"
+    end_at = time.monotonic() + bound
+    while time.monotonic() < end_at:
+        assert proc.poll() is None, "the job ended before the run folder was written: " + "".join(err)[-3000:]
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.1)  # not there yet, or being written
+    raise AssertionError(f"no summary.json {bound}s after training: " + "".join(err)[-3000:])
+
+
+def test_the_run_folder_is_written_before_the_end_waits_on_a_stopped_worker_at_the_default_deadline(tmp_path):
+    """Training ends long before a stopped worker reaches the default deadline (600 s): rank 0 writes the whole
+    run folder first, naming the worker it waits on (`waiting_on`), and nothing ends the job meanwhile; once the
+    worker runs again (SIGCONT: what the test does instead of waiting out the deadline) it stops and the job ends
+    by itself, exit 0, every step trained, nobody lost."""
+    steps = 3000
+    run = tmp_path / "run"
+    args = train_command(_launcher(MPICH), tmp_path, 4, "sync=async", "optimizer=sgd", "checkpoint.every=50")
+    proc, err, reader = watched([*args, f"steps={steps}"], tmp_path, MPICH.env)
+    pids: list[int] = []
+    try:
+        when_checkpointed(run, proc, err, 100)
+        pids = rank_pids(f"hydra.run.dir={run}", 2)
+        assert pids, "rank 2 not found"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        written = _written(run, proc, err, 120 + WRITTEN)
+        assert time.monotonic() - stopped < 600  # well before the deadline
+        assert (run / "params.pt").is_file() and (run / "trace.jsonl").is_file()
+        assert [x["rank"] for x in written["waiting_on"]] == [2] and "lost" not in written
+        assert len(Trace.read_jsonl(run / "trace.jsonl").of("apply")) == steps
+        time.sleep(5)
+        assert proc.poll() is None, "the job ended while it waited on the stopped worker: " + "".join(err)[-3000:]
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+    finally:
+        end(pids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    text = "".join(err)
+    assert proc.returncode == 0, text[-3000:]
+    final = json.loads((run / "summary.json").read_text())
+    assert "waiting_on" not in final and "lost" not in final and "incomplete" not in final, final
+    trace = Trace.read_jsonl(run / "trace.jsonl")
+    assert len(trace.of("apply")) == steps
+    counts = check_trace(trace, asynchronous(), 3)
+    assert counts["pushed"] == counts["applied"] + counts["dropped"]
+    assert "waiting for worker(s) rank 2" in text
+
+
+def test_a_worker_stopped_near_the_end_is_lost_at_a_short_deadline_after_the_run_folder_was_written(tmp_path):
+    """Stopped a third of the run before its end (training ends a few seconds later, before the deadline), the
+    worker is still out when training ends: the run folder is written naming it (`waiting_on`), the worker is
+    lost at the deadline, the folder written again with `lost`, and the job ends by itself, exit 0. (A worker
+    stopped after it left, inside the final teardown, is another case: MPI_Finalize waits for it.)"""
+    steps, deadline = 3000, 20
+    overrides = ["sync=async", "optimizer=sgd", f"sync.deadline={deadline}", "checkpoint.every=50"]
+    hit = run_hitting(_launcher(MPICH), tmp_path, 4, overrides, steps, [(2000, 2, signal.SIGSTOP)], BOUND)
+    _finished_without(hit, [2], steps)
+    assert "waiting_on" not in hit.summary
+    assert hit.took < BOUND, hit.took
+    lost, last = hit.trace.of("lost")[0]["t"], hit.trace.of("apply")[-1]["t"]
+    if lost > last + END_PATIENCE_S:  # lost at the end, not during training (a loaded machine may train slower)
+        assert "waiting for worker(s) rank 2" in hit.stderr, hit.stderr[-3000:]

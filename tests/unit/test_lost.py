@@ -14,6 +14,7 @@ import torch
 
 from collsync.checks import TraceError, check_trace
 from collsync.loops import Worker, run_server, run_worker
+from collsync.lost import close_serving
 from collsync.policy import SyncPolicy, asynchronous, backup, bfasgd, bsp, psp, specsync, ssp
 from collsync.rules import sgd
 from collsync.server import Server
@@ -239,3 +240,50 @@ def test_run_server_goes_on_without_a_silent_worker(policy, workers, stop):
 def test_bsp_stops_on_a_silent_worker_naming_it():
     with pytest.raises(TimeoutError, match=r"got no gradient within deadline=0.3s; waiting on worker 1"):
         _train(bsp(deadline=0.3), 3, 40, {1: 3})
+
+
+def _ended(policy: SyncPolicy, workers: int) -> tuple[Server, Threads]:
+    """A server whose training is over (done) and a mailbox where every worker but the last has left."""
+    server = make(policy, workers, steps=1)
+    for w in range(workers):
+        server.accept(arrival(w, 0))
+    assert server.done
+    box = Threads(3, workers)
+    box.left.update(range(workers - 1))
+    return server, box
+
+
+def test_the_end_tells_who_is_still_out_before_the_deadline_then_loses_it():
+    """Training ended before a stopped worker reached the deadline: `waiting` hears of it after the patience, long
+    before the deadline (rank 0 writes the run folder there), and the worker is lost at the deadline."""
+    server, box = _ended(asynchronous(deadline=1.0), 3)
+    heard: list[tuple[list[int], float]] = []
+    started = time.monotonic()
+    close_serving(server, box, lambda out: heard.append((out, time.monotonic() - started)), patience=0.1)
+    took = time.monotonic() - started
+    assert [out for out, _ in heard] == [[2]]
+    assert heard[0][1] < 0.5, heard
+    assert server.lost == [2] and 1.0 <= took < 1.5, took
+    assert server.trace.of("lost")[0]["last_update"] == 0
+
+
+def test_a_worker_still_out_that_stops_before_the_deadline_is_not_lost():
+    server, box = _ended(asynchronous(deadline=2.0), 3)
+    close_serving(server, box, lambda out: box.left.add(2), patience=0.1)  # it comes back once it was waited on
+    assert server.lost == []
+
+
+def test_workers_that_stop_within_the_patience_are_not_waited_on_and_what_they_sent_is_dropped():
+    server, box = _ended(asynchronous(deadline=2.0), 3)
+    drops = len(server.trace.of("drop"))
+    box.arrivals.put(arrival(2, 0))  # its last gradient, sent after the end; then it reads `done` and leaves
+    threading.Timer(0.1, lambda: box.left.add(2)).start()
+    close_serving(server, box, lambda out: pytest.fail(f"waited on {out}"), patience=1.0)
+    assert server.lost == [] and box.arrivals.empty()
+    assert [e["reason"] for e in server.trace.of("drop")[drops:]] == ["finished"]
+
+
+def test_the_end_tells_nothing_when_the_deadline_is_shorter_than_the_patience():
+    server, box = _ended(asynchronous(deadline=0.2), 3)
+    close_serving(server, box, lambda out: pytest.fail(f"waited on {out}"), patience=5.0)
+    assert server.lost == [2]
