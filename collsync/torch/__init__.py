@@ -45,10 +45,14 @@ from collsync.torch.ops import (
     Adasum,
     Average,
     Compression,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     Max,
     Min,
+    ProcessSet,
     Product,
     Sum,
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -56,6 +60,8 @@ from collsync.torch.ops import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    alltoall,
+    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
@@ -65,12 +71,19 @@ from collsync.torch.ops import (
     broadcast_optimizer_state,
     broadcast_parameters,
     global_process_set,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
+    reducescatter,
+    reducescatter_async,
+    remove_process_set,
     synchronize,
 )
 from collsync.torch.optimizer import DistributedOptimizer
@@ -114,13 +127,7 @@ elastic = _Refused(
     "relaunch and resume from checkpoints instead (the model's, and in server modes "
     "DistributedOptimizer.server_state_dict(), passed back as DistributedOptimizer(..., server_state=...))",
 )
-ProcessSet = _Refused("ProcessSet", "run a script on some ranks with init(comm=[ranks]) or init(comm=communicator)")
-alltoall = _unsupported("alltoall")
-reducescatter = _unsupported("reducescatter")
-grouped_reducescatter = _unsupported("grouped_reducescatter")
 sparse_allreduce_async = _unsupported("sparse_allreduce_async")
-add_process_set = _unsupported("add_process_set")
-remove_process_set = _unsupported("remove_process_set")
 start_timeline = _unsupported("start_timeline")
 stop_timeline = _unsupported("stop_timeline")
 
@@ -130,6 +137,8 @@ __all__ = [
     "Compression",
     "DistributedOptimizer",
     "DistributedSampler",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "ProcessSet",
@@ -137,9 +146,12 @@ __all__ = [
     "Sum",
     "SyncBatchNorm",
     "SyncConfig",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
+    "alltoall",
+    "alltoall_async",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -162,10 +174,14 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "global_process_set",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",
@@ -178,6 +194,9 @@ __all__ = [
     "partial_allreduce",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
     "rocm_built",
     "role",
     "servers",

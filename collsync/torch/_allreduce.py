@@ -40,8 +40,11 @@ class AllreduceMode(Mode):
         predivide: float,
         sparse_as_dense: bool = False,
         deadline: float | None = None,
+        process_set: Any = ops.global_process_set,
     ) -> None:
+        # `st.comm` is the process set's communicator where the optimizer reduces over one (`process_set`).
         self.st, self.compression, self.passes, self.op = st, compression, passes, op
+        self.process_set = process_set
         # Horovod's split of the average: 1/f before the sum, f/size after it (the 1/size applied by the reduction).
         self.pre, self.post = (1.0 / predivide, predivide) if op == ops.Average else (1.0, 1.0)
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -91,7 +94,13 @@ class AllreduceMode(Mode):
             if self.st.backend == "horovod":
                 horovod_allreduce_(wire, self.op, self.pre, self.post)
             else:
-                ops.allreduce_(wire, op=self.op, prescale_factor=self.pre, postscale_factor=self.post)
+                ops.allreduce_(
+                    wire,
+                    op=self.op,
+                    prescale_factor=self.pre,
+                    postscale_factor=self.post,
+                    process_set=self.process_set,
+                )
             out.append(self.compression.decompress(wire, ctx))
         return out
 
@@ -132,7 +141,7 @@ class AllreduceMode(Mode):
             if sums[0][-1].item() == 0:  # nobody stepped in this reduction: everyone has joined
                 break
             rounds += 1
-        joined = ops.allgather_object(rounds)
+        joined = ops.allgather_object(rounds, process_set=self.process_set)
         return max(r for r, k in enumerate(joined) if k == min(joined))
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
-"""What `collsync.torch.ops`'s collectives share: Horovod's op and compression constants, the argument checks, MPI
-datatypes (float16 moved as 16-bit words and summed in float32, as Horovod does), scaling, and the handles that
-`*_async` returns (`synchronize`, `poll`).
+"""What `collsync.torch.ops`'s collectives share: Horovod's op and compression constants, its exceptions, the
+argument checks, the agreement check of the metadata of a collective, MPI datatypes and operations (16-bit floats
+moved as 16-bit words and combined in float32, as Horovod does), scaling, and the handles that `*_async` returns
+(`synchronize`, `poll`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from collsync.torch._process_sets import global_process_set
+
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-_OP_NAMES = {Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 
-class global_process_set:  # noqa: N801 - Horovod's name
-    """Horovod's default process set: every worker. Other process sets are not supported."""
+class HorovodInternalError(RuntimeError):
+    """A collective failed (Horovod's `HorovodInternalError`): here, the workers disagreed on a collective's
+    dtype, shape or root. Horovod's elastic mode resets on it; collsync has no elastic mode, so it is an error."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
+    """Horovod's elastic-mode interrupt (the set of hosts changed). collsync has no elastic mode and never raises
+    it; the class exists so that scripts catching it import and run."""
+
+    def __init__(self, skip_sync: bool) -> None:
+        super().__init__(skip_sync)
+        self.skip_sync = skip_sync
 
 
 class NoneCompressor:
@@ -54,21 +67,35 @@ class Compression:
 
 
 def _op(op: int | None, average: bool | None, what: str) -> int:
+    """Horovod's reduction: `op` (Average when None) or the deprecated `average=`; Adasum is refused."""
     if average is not None:
         if op is not None:
             raise ValueError(f"{what}: give op= or the deprecated average=, not both")
         return Average if average else Sum
     op = Average if op is None else op
-    if op in _OP_NAMES:
-        raise NotImplementedError(f"{what}: op={_OP_NAMES[op]} is not supported by collsync (Average and Sum are)")
-    if op not in (Average, Sum):
-        raise ValueError(f"{what}: op={op!r} must be collsync.torch.Average or Sum")
+    if op == Adasum:
+        raise NotImplementedError(f"{what}: op=Adasum is not supported by collsync (Average, Sum, Min, Max, Product)")
+    if op not in _OP_NAMES:
+        raise ValueError(f"{what}: op={op!r} must be collsync.torch.Average, Sum, Min, Max or Product")
     return op
 
 
 def _process_set(process_set: Any, what: str) -> None:
+    """Refuse a process set other than the global one, where an operation does not take one."""
     if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError(f"{what}: process sets are not supported (process_set={process_set!r})")
+        raise NotImplementedError(f"{what}: process sets are not supported here (process_set={process_set!r})")
+
+
+def _agree(comm: Any, meta: tuple[Any, ...], what: str, vary: tuple[int, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every worker's `meta` (dtype, shape, root...) of one collective, gathered in rank order; HorovodInternalError
+    on every worker if they differ in a field not listed in `vary` (Horovod's coordinator checks the same before it
+    runs a collective; a mismatch reaching MPI would hang or corrupt memory)."""
+    metas: list[tuple[Any, ...]] = comm.allgather(meta)
+    for field in range(len(meta)):
+        values = [m[field] for m in metas]
+        if field not in vary and any(v != values[0] for v in values):
+            raise HorovodInternalError(f"{what}: the workers disagree: {values} (by rank)")
+    return metas
 
 
 def _check(tensor: torch.Tensor, what: str) -> None:
@@ -122,6 +149,43 @@ def _bfloat16_sum_fn(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
     b.copy_(a.to(torch.float32) + b.to(torch.float32))
 
 
+_COMBINE: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    Min: torch.minimum,
+    Max: torch.maximum,
+    Product: torch.mul,
+}
+
+
+def _half_fn(dtype: torch.dtype, op: int) -> Callable[[Any, Any, Any], None]:
+    """A user operation for a 16-bit float type: each combination in float32, rounded back (nearest-even)."""
+    combine = _COMBINE[op]
+
+    def fn(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        a = torch.frombuffer(inbuf, dtype=dtype)
+        b = torch.frombuffer(inoutbuf, dtype=dtype)
+        b.copy_(combine(a.to(torch.float32), b.to(torch.float32)))
+
+    return fn
+
+
+_USER_OPS: dict[tuple[torch.dtype, int], Any] = {}
+
+
+def _reduce_op(dtype: torch.dtype, op: int) -> Any:
+    """The MPI operation for Horovod's `op` (Average and Sum both sum; Min, Max, Product), or for float16 and
+    bfloat16 a user operation: each combination in float32, rounded back to the 16-bit type (Horovod's float16
+    operations; bfloat16 the same way, to nearest-even)."""
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    if op in (Average, Sum):
+        return _sum_op(dtype)
+    if dtype not in HALVES:
+        return {Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}[op]
+    if (dtype, op) not in _USER_OPS:
+        _USER_OPS[(dtype, op)] = MPI.Op.Create(_half_fn(dtype, op), commute=True)
+    return _USER_OPS[(dtype, op)]
+
+
 _SUMS: dict[torch.dtype, Any] = {}
 
 
@@ -170,6 +234,18 @@ class _Handle:
                     os.sched_yield()
             self.result, self.done = self.finish(), True
         return self.result
+
+
+class _Requests:
+    """Several MPI requests tested as one (a grouped operation's handle)."""
+
+    def __init__(self, requests: list[Any]) -> None:
+        self.requests = requests
+
+    def Test(self) -> bool:  # noqa: N802 - MPI.Request's name, which _Handle calls
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        return bool(MPI.Request.Testall(self.requests))
 
 
 _HANDLES: dict[int, _Handle] = {}

@@ -11,50 +11,109 @@ import torch
 
 from collsync.runtime.mpi_coll import shutdown
 from collsync.torch._ops_base import (
+    Average,
+    _agree,
     _check,
     _Handle,
     _mpi_type,
-    _process_set,
     _register,
+    _Requests,
     global_process_set,
     synchronize,
     words,
 )
+from collsync.torch._process_sets import set_comm, set_root
 from collsync.torch._world import state
+
+
+def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str) -> _Handle:
+    """Start the allgathers of `tensors` (one Iallgatherv each) after one agreement on their dtypes and shapes
+    (all but the first dimension must agree, as Horovod checks); the handle's `wait()` returns the outputs."""
+    comm, _ = set_comm(process_set, what)
+    for t in tensors:
+        _check(t, what)
+    srcs = [t.detach().contiguous() for t in tensors]
+    srcs = [s.reshape(1) if s.dim() == 0 else s for s in srcs]
+    shapes = tuple((str(s.dtype), tuple(s.shape[1:])) for s in srcs)
+    metas = _agree(comm, (shapes, tuple(s.shape[0] for s in srcs)), what, vary=(1,))
+    outs, requests = [], []
+    for i, src in enumerate(srcs):
+        rows = [m[1][i] for m in metas]
+        inner = int(np.prod(src.shape[1:])) if src.dim() > 1 else 1
+        out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
+        mpi_t = _mpi_type(src.dtype, what)
+        counts = [r * inner for r in rows]
+        requests.append(comm.Iallgatherv([words(src), mpi_t], [words(out), (counts, None), mpi_t]))
+        outs.append(out)
+
+    return _Handle(_Requests(requests), lambda: outs)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> int:
     """Start an allgather: the workers' tensors concatenated along dimension 0 (sizes there may differ)."""
-    _process_set(process_set, "allgather")
-    comm = state("allgather").comm
-    _check(tensor, "allgather")
-    src = tensor.detach().contiguous()
-    rows = comm.allgather(src.shape[0] if src.dim() else 1)
-    if src.dim() == 0:
-        src = src.reshape(1)
-    inner = int(np.prod(src.shape[1:])) if src.dim() > 1 else 1
-    out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
-    counts = [r * inner for r in rows]
-    mpi_t = _mpi_type(src.dtype, "allgather")
-    request = comm.Iallgatherv([words(src), mpi_t], [words(out), (counts, None), mpi_t])
-    return _register(_Handle(request, lambda: out))
+    handle = _gather_start([tensor], process_set, "allgather")
+    finish = handle.finish
+    handle.finish = lambda: finish()[0]
+    return _register(handle)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
-    return synchronize(allgather_async(tensor, name, process_set))
+    """The workers' tensors concatenated along dimension 0, in rank order (autograd passes through, as in Horovod's
+    `HorovodAllgather`: the gradient is the average of the output's gradients over the workers, sliced to this
+    worker's rows)."""
+    return _AllgatherFn.apply(process_set, tensor)[0]
+
+
+def grouped_allgather_async(
+    tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+) -> int:
+    """Start allgathers of several tensors as one operation; `synchronize` returns the list of outputs."""
+    return _register(_gather_start(list(tensors), process_set, "grouped_allgather"))
+
+
+def grouped_allgather(
+    tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+) -> list[torch.Tensor]:
+    """`allgather` of each tensor, as one operation (Horovod's `grouped_allgather`, autograd included)."""
+    return list(_AllgatherFn.apply(process_set, *tensors))
+
+
+class _AllgatherFn(torch.autograd.Function):
+    """Horovod's `HorovodAllgather` / `HorovodGroupedAllgather`: the gradient of each input is the average over
+    the workers of its output's gradient, narrowed to this worker's rows (an average, as Horovod has it)."""
+
+    @staticmethod
+    def forward(ctx: Any, process_set: Any, *tensors: torch.Tensor) -> Any:
+        ctx.process_set = process_set
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        return tuple(synchronize(grouped_allgather_async(list(tensors), process_set=process_set)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        from collsync.torch.ops import grouped_allreduce  # lazily: ops imports this module
+
+        reduced = grouped_allreduce(list(grads), op=Average, process_set=ctx.process_set)
+        comm, _ = set_comm(ctx.process_set, "allgather")
+        rows = comm.allgather(ctx.rows)
+        me = comm.Get_rank()
+        out = []
+        for i, g in enumerate(reduced):
+            offset = sum(r[i] for r in rows[:me])
+            out.append(g.narrow(0, offset, ctx.rows[i]))
+        return (None, *out)
 
 
 def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> int:
-    """Start an in-place broadcast of `tensor` from worker `root_rank`."""
-    _process_set(process_set, "broadcast")
-    comm = state("broadcast").comm
+    """Start an in-place broadcast of `tensor` from worker `root_rank` (a worker rank, in process sets too, as in
+    Horovod), after one agreement on dtype, shape and root (a disagreement raises HorovodInternalError)."""
+    comm, ranks = set_comm(process_set, "broadcast")
     _check(tensor, "broadcast")
-    if not 0 <= root_rank < comm.Get_size():
-        raise ValueError(f"broadcast: root_rank={root_rank} must be in 0..{comm.Get_size() - 1}")
+    _agree(comm, (str(tensor.dtype), tuple(tensor.shape), root_rank), "broadcast")
+    root = set_root(root_rank, ranks, comm.Get_size(), "broadcast")
     buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-    request = comm.Ibcast([words(buf), _mpi_type(buf.dtype, "broadcast")], root=root_rank)
+    request = comm.Ibcast([words(buf), _mpi_type(buf.dtype, "broadcast")], root=root)
 
     def finish() -> torch.Tensor:
         if buf.data_ptr() != tensor.data_ptr():
@@ -80,27 +139,46 @@ def broadcast_(
 def broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> torch.Tensor:
-    """`tensor` of worker `root_rank`, as a new tensor on every worker."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    """`tensor` of worker `root_rank`, as a new tensor on every worker (autograd passes through, as in Horovod's
+    `HorovodBroadcast`: the root's gradient is the average of the workers' gradients, the others' zero)."""
+    return _BroadcastFn.apply(tensor, root_rank, process_set)
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, process_set: Any) -> torch.Tensor:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, None, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        from collsync.torch.ops import allreduce  # lazily: ops imports this module
+
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
+        if state("broadcast").comm.Get_rank() != ctx.root_rank:
+            reduced = reduced * 0
+        return reduced, None, None
 
 
 def broadcast_object(
     obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
 ) -> Any:
-    """Any picklable object of worker `root_rank`, on every worker."""
-    _process_set(process_set, "broadcast_object")
-    return state("broadcast_object").comm.bcast(obj, root=root_rank)
+    """Any picklable object of worker `root_rank`, on every worker of the process set."""
+    comm, ranks = set_comm(process_set, "broadcast_object")
+    return comm.bcast(obj, root=set_root(root_rank, ranks, comm.Get_size(), "broadcast_object"))
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
     """Every worker's picklable object, in rank order."""
-    return state("allgather_object").comm.allgather(obj)
+    comm, _ = set_comm(process_set, "allgather_object")
+    return comm.allgather(obj)
 
 
 def barrier(process_set: Any = global_process_set) -> None:
-    """Wait until every worker gets here (an Ibarrier tested with pauses: ranks sharing cores do not spin)."""
-    _process_set(process_set, "barrier")
-    shutdown(state("barrier").comm)
+    """Wait until every worker of the process set gets here (an Ibarrier tested with pauses: ranks sharing cores
+    do not spin)."""
+    comm, _ = set_comm(process_set, "barrier")
+    shutdown(comm)
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
@@ -122,9 +200,49 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
-    """Every worker's optimizer takes worker `root_rank`'s state and hyperparameters."""
+    """Every worker's optimizer takes worker `root_rank`'s state and hyperparameters.
+
+    As Horovod does, an optimizer with no state yet first steps once on zero gradients (sparse ones for SparseAdam
+    and for SGD on a sparse embedding of `model`), so that its state exists on every worker with the root's shapes;
+    the parameters that require a gradient are left with zero gradients. LBFGS is refused, as in Horovod. In
+    collsync's parameter-server modes the optimizer's own state is not used, and that step is not taken."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state_dict()["state"] and not _served(optimizer):
+        sparse: set[int] = set()
+        if model is not None:
+            for m in model.modules():
+                if isinstance(m, torch.nn.Embedding) and m.sparse:
+                    sparse.update(id(p) for p in m.parameters())
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p.data)
+                    if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse
+                    ):
+                        p.grad = p.grad.to_sparse()
+        _local_step(optimizer)
     state_dict = broadcast_object(optimizer.state_dict(), root_rank)
     optimizer.load_state_dict(state_dict)
+
+
+def _served(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a collsync optimizer runs a parameter-server mode (its own state unused)."""
+    from collsync.torch._server_mode import ServerMode  # lazily: the optimizer's modules import this one
+
+    return isinstance(getattr(optimizer, "_collsync", None), ServerMode)
+
+
+def _local_step(optimizer: torch.optim.Optimizer) -> None:
+    """The user's optimizer's own step, without the gradient synchronisation of a collsync optimizer (Horovod
+    calls the wrapped class's step the same way)."""
+    from collsync.torch.optimizer import _Distributed  # lazily: optimizer imports ops, which imports this
+
+    if isinstance(optimizer, _Distributed):
+        super(_Distributed, optimizer).step()  # type: ignore[misc]
+    else:
+        optimizer.step()
 
 
 def join(device: int = -1) -> int:

@@ -1,15 +1,19 @@
 """Horovod's collective operations over the workers' MPI communicator (mpi4py, CPU tensors).
 
-Same names, signatures and defaults as `horovod.torch` 0.28: `op` defaults to `Average`; a trailing underscore
-works in place; `*_async` returns a handle for `synchronize` / `poll`. Reductions run in place on the tensors'
-numpy views (no copy for contiguous CPU tensors). float16 tensors are summed pairwise in float32 and rounded back
-to float16 after each addition, as Horovod's own float16 MPI operation does, so `Compression.fp16` gives Horovod's
-numbers; bfloat16 tensors (numpy has none: MPI moves their raw 16-bit words) are summed the same way, rounded to
-nearest-even by torch (not checked against Horovod's bits). What Horovod has and collsync does not (Adasum,
-Min/Max/Product, process sets, elastic, GPU tensors) raises `NotImplementedError` naming it.
+Same names, signatures and defaults as `horovod.torch` 0.28: `op` defaults to `Average` (also `Sum`, `Min`, `Max`,
+`Product`); a trailing underscore works in place; `*_async` returns a handle for `synchronize` / `poll`; every
+operation takes `process_set=` (`collsync.torch.add_process_set`; an MPI communicator per set). Reductions run in
+place on the tensors' numpy views (no copy for contiguous CPU tensors). float16 tensors are combined pairwise in
+float32 and rounded back to float16 after each step, as Horovod's own float16 MPI operations do, so
+`Compression.fp16` gives Horovod's numbers; bfloat16 tensors (numpy has none: MPI moves their raw 16-bit words)
+are combined the same way, rounded to nearest-even by torch (not checked against Horovod's bits). Autograd passes
+through `allreduce`, `grouped_allreduce`, `allgather`, `grouped_allgather`, `broadcast`, `alltoall` and the
+reducescatters with the gradients Horovod defines. What Horovod has and collsync does not (Adasum, elastic, GPU
+tensors) raises `NotImplementedError` naming it.
 
-One module per family: the allreduces here, gathers and broadcasts in `_ops_gather`, what they share (constants,
-checks, datatypes, handles) in `_ops_base`; every public name is importable from here.
+One module per family: the allreduces here, gathers and broadcasts in `_ops_gather`, alltoall and reducescatter
+in `_ops_scatter`, process sets in `_process_sets`, what they share (constants, exceptions, checks, datatypes,
+handles) in `_ops_base`; every public name is importable from here.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collsync.torch._ops_base import (
     Average,
     Compression,
     FP16Compressor,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     Max,
     Min,
     NoneCompressor,
@@ -33,14 +39,15 @@ from collsync.torch._ops_base import (
     _Handle,
     _mpi_type,
     _op,
-    _process_set,
+    _reduce_op,
     _register,
-    _sum_op,
-    global_process_set,
     poll,
     scale_,
     synchronize,
     words,
+)
+from collsync.torch._ops_base import (
+    _process_set as _process_set,  # DistributedOptimizer refuses process sets through it
 )
 from collsync.torch._ops_gather import (
     allgather,
@@ -54,7 +61,24 @@ from collsync.torch._ops_gather import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
+    grouped_allgather,
+    grouped_allgather_async,
     join,
+)
+from collsync.torch._ops_scatter import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
+from collsync.torch._process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+    set_comm,
 )
 from collsync.torch._world import state
 
@@ -63,14 +87,20 @@ __all__ = [
     "Average",
     "Compression",
     "FP16Compressor",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "NoneCompressor",
+    "ProcessSet",
     "Product",
     "Sum",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
+    "alltoall",
+    "alltoall_async",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -84,12 +114,19 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "global_process_set",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "join",
     "poll",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
     "scale_",
     "synchronize",
 ]
@@ -103,13 +140,15 @@ def _allreduce_start(
     postscale: float,
     what: str,
     blocking: bool = False,
+    process_set: Any = global_process_set,
 ) -> _Handle:
     """Start (or with `blocking`, run: one MPI_Allreduce, the fastest where the caller waits anyway) the reduction
-    of `tensor` into `output`; the handle's `wait()` applies the post-scaling and returns `output`."""
+    of `tensor` into `output` over the process set's workers; the handle's `wait()` applies the post-scaling (for
+    Average, 1/size of the set) and returns `output`."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     st = state(what)
-    comm = st.comm
+    comm, _ = set_comm(process_set, what)
     blocking = blocking and not st.oversubscribed
     _check(tensor, what)
     if output is not tensor:
@@ -119,10 +158,10 @@ def _allreduce_start(
     post = postscale / comm.Get_size() if op == Average else postscale
     message = [words(buf.detach()), _mpi_type(buf.dtype, what)]
     if blocking:
-        comm.Allreduce(MPI.IN_PLACE, message, op=_sum_op(buf.dtype))
+        comm.Allreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
         request = None
     else:
-        request = comm.Iallreduce(MPI.IN_PLACE, message, op=_sum_op(buf.dtype))
+        request = comm.Iallreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
 
     def finish() -> torch.Tensor:
         scale_(buf, post)
@@ -143,9 +182,10 @@ def allreduce_async_(
     process_set: Any = global_process_set,
 ) -> int:
     """Start an in-place allreduce; `synchronize(handle)` returns `tensor` holding the result."""
-    _process_set(process_set, "allreduce_async_")
     op = _op(op, average, "allreduce_async_")
-    return _register(_allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_"))
+    return _register(
+        _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set)
+    )
 
 
 def allreduce_async(
@@ -158,10 +198,11 @@ def allreduce_async(
     process_set: Any = global_process_set,
 ) -> int:
     """Start an allreduce into a new tensor; `synchronize(handle)` returns it."""
-    _process_set(process_set, "allreduce_async")
     op = _op(op, average, "allreduce_async")
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _register(_allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async"))
+    return _register(
+        _allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set)
+    )
 
 
 def allreduce_(
@@ -174,9 +215,9 @@ def allreduce_(
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
     """In-place allreduce: `tensor` becomes the Average (default) or Sum over the workers."""
-    _process_set(process_set, "allreduce_")
     op = _op(op, average, "allreduce_")
-    return _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_", True).wait()
+    handle = _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_", True, process_set)
+    return handle.wait()
 
 
 def allreduce(
@@ -191,24 +232,29 @@ def allreduce(
 ) -> torch.Tensor:
     """The Average (default) or Sum of `tensor` over the workers, as a new tensor (autograd passes through:
     the gradient of an allreduce is the allreduce of the gradient, as in Horovod)."""
-    _process_set(process_set, "allreduce")
     op = _op(op, average, "allreduce")
-    return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression)
+    return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set)
 
 
 class _AllreduceFn(torch.autograd.Function):
+    """Horovod's `HorovodAllreduce`: the gradient of an allreduce is the same allreduce of the gradient."""
+
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: int, pre: float, post: float, compression: Any) -> torch.Tensor:
-        ctx.op, ctx.pre, ctx.post, ctx.compression = op, pre, post, compression
+    def forward(
+        ctx: Any, tensor: torch.Tensor, op: int, pre: float, post: float, compression: Any, process_set: Any
+    ) -> torch.Tensor:
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
         compressed, cctx = compression.compress(tensor.detach())
         out = torch.empty_like(compressed, memory_format=torch.contiguous_format)
-        result = _allreduce_start(compressed, out, op, pre, post, "allreduce", True).wait()
+        result = _allreduce_start(compressed, out, op, pre, post, "allreduce", True, process_set).wait()
         return compression.decompress(result, cctx)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        out = allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post)
-        return out, None, None, None, None
+        out = allreduce(
+            grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.process_set
+        )
+        return out, None, None, None, None, None
 
 
 def grouped_allreduce_async_(
@@ -221,9 +267,11 @@ def grouped_allreduce_async_(
     process_set: Any = global_process_set,
 ) -> int:
     """Start in-place allreduces of several tensors as one operation; `synchronize` returns the list."""
-    _process_set(process_set, "grouped_allreduce_async_")
     op = _op(op, average, "grouped_allreduce_async_")
-    handles = [_allreduce_start(t, t, op, prescale_factor, postscale_factor, "grouped_allreduce") for t in tensors]
+    handles = [
+        _allreduce_start(t, t, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set)
+        for t in tensors
+    ]
     return _register(_Handle(None, lambda: [h.wait() for h in handles]))
 
 
@@ -264,9 +312,26 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
 ) -> list[torch.Tensor]:
-    """Allreduce several tensors at once; new tensors come back, in order."""
-    pairs = [compression.compress(t.detach()) for t in tensors]
-    outs = grouped_allreduce_(
-        [p[0].clone() for p in pairs], average, name, op, prescale_factor, postscale_factor, process_set
-    )
+    """Allreduce several tensors at once; new tensors come back, in order (autograd passes through, as for
+    `allreduce`: Horovod's `HorovodGroupedAllreduce`)."""
+    op = _op(op, average, "grouped_allreduce")
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduceFn.apply(op, prescale_factor, postscale_factor, process_set, *[p[0] for p in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
+
+
+class _GroupedAllreduceFn(torch.autograd.Function):
+    """Horovod's `HorovodGroupedAllreduce`: the gradients are allreduced the same way, as one group."""
+
+    @staticmethod
+    def forward(ctx: Any, op: int, pre: float, post: float, process_set: Any, *tensors: torch.Tensor) -> Any:
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+        return tuple(grouped_allreduce_(copies, None, None, op, pre, post, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        reduced = grouped_allreduce(
+            list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.process_set
+        )
+        return (None, None, None, None, *reduced)

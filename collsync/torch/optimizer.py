@@ -31,6 +31,7 @@ What `step()` does depends on the mode, one module per mode family behind the `_
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,8 +40,10 @@ import torch
 
 from collsync.torch import ops
 from collsync.torch._allreduce import AllreduceMode
+from collsync.torch._local_mode import LocalMode
 from collsync.torch._mode import Mode
 from collsync.torch._partial_mode import PartialMode
+from collsync.torch._process_sets import set_world
 from collsync.torch._server_mode import ServerMode
 from collsync.torch._server_mode import _shard_states as _shard_states  # tests check resume input here
 from collsync.torch._world import World, state
@@ -55,6 +58,9 @@ def _params(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tor
     named = list(named_parameters)
     if any(not isinstance(n, tuple) for n in named):
         raise ValueError("DistributedOptimizer: named_parameters should be a sequence of (name, parameter) tuples")
+    dups = sorted(str(n) for n, k in Counter(n for n, _ in named).items() if k > 1)
+    if dups:  # Horovod names its reductions by parameter name, so it refuses duplicates; so does collsync
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
     names = {id(p) for _, p in named}
     missing = [p for p in params if id(p) not in names]
     if missing:
@@ -195,16 +201,20 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     contradicts one of those is refused naming both). `num_groups` / `groups` only group Horovod's reductions:
     collsync fuses every gradient into one reduction, so they change nothing. `server_state`: server modes, what
     `server_state_dict()` returned in an earlier run: the servers go on from it (the workers pull its parameters).
+    `process_set` (`bsp` only): the gradients are reduced over that set's workers; on a worker outside it the
+    optimizer steps on its own gradients, as Horovod's does.
 
     Raises:
         ValueError: a bad option, a mode the world cannot run, an optimizer the parameter server cannot apply.
-        NotImplementedError: Adasum, process sets, sparse gradients without `sparse_as_dense`.
+        NotImplementedError: Adasum, Min/Max/Product, a process set outside `bsp`, sparse gradients without
+            `sparse_as_dense`.
     """
     st = state("DistributedOptimizer")
-    ops._process_set(process_set, "DistributedOptimizer")
-    if op == ops.Adasum:
-        raise NotImplementedError("DistributedOptimizer: op=Adasum is not supported by collsync")
+    refused = {ops.Adasum: "Adasum", ops.Min: "Min", ops.Max: "Max", ops.Product: "Product"}
+    if op in refused:
+        raise NotImplementedError(f"DistributedOptimizer: op={refused[op]} is not supported by collsync (Average, Sum)")
     op = ops._op(op, None, "DistributedOptimizer")
+    on = set_world(st, process_set, "DistributedOptimizer")
     if gradient_predivide_factor != 1.0 and op != ops.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step <= 0:
@@ -220,11 +230,15 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if server_state is not None and not st.servers:
         raise ValueError("DistributedOptimizer: server_state is for server modes; this world reserved no servers")
     mode: Mode
-    if st.servers:
+    if on is not st and (st.servers or config.policy.name != "bsp" or st.backend == "horovod"):
+        raise NotImplementedError("DistributedOptimizer: process sets are supported with sync='bsp' on mpi4py only")
+    if on is None:
+        mode = LocalMode(st.comm.Get_rank())
+    elif st.servers:
         mode = ServerMode(st, optimizer, params, config, server_state)
     else:
         mode = _serverless(
-            st,
+            on,
             optimizer,
             params,
             config,
@@ -233,6 +247,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             op,
             gradient_predivide_factor,
             sparse_as_dense,
+            process_set,
         )
     cls = type(optimizer)
     optimizer.__class__ = type(cls.__name__, (_Distributed, cls), {"__module__": cls.__module__})
@@ -255,6 +270,7 @@ def _serverless(
     op: int,
     predivide: float,
     sparse_as_dense: bool,
+    process_set: Any = ops.global_process_set,
 ) -> Mode:
     """The mode of a world without server ranks: bsp (`AllreduceMode`) or backup (`PartialMode`)."""
     name = config.policy.name
@@ -265,7 +281,15 @@ def _serverless(
         )
     if name == "bsp":
         return AllreduceMode(
-            st, params, compression, passes, op, predivide, sparse_as_dense, deadline=config.policy.deadline
+            st,
+            params,
+            compression,
+            passes,
+            op,
+            predivide,
+            sparse_as_dense,
+            deadline=config.policy.deadline,
+            process_set=process_set,
         )
     if name == "backup":
         if compression is not ops.Compression.none or op != ops.Average or predivide != 1.0:

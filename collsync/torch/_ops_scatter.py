@@ -1,0 +1,242 @@
+"""Horovod's scattering collectives over the workers (or a process set's) communicator: `alltoall` (MPI_Alltoallv)
+and `reducescatter` / `grouped_reducescatter` (MPI_Reduce_scatter), each with its `_async` form and the gradient
+Horovod defines for it (see `collsync.torch.ops`).
+
+Every one first gathers the workers' dtypes and shapes (and an alltoall's splits) in one small allgather: Horovod's
+coordinator checks the same before it runs a collective, and a disagreement raises `HorovodInternalError` on every
+worker instead of hanging in MPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from collsync.torch._ops_base import (
+    Adasum,
+    Average,
+    Compression,
+    Sum,
+    _agree,
+    _check,
+    _Handle,
+    _mpi_type,
+    _op,
+    _reduce_op,
+    _register,
+    _Requests,
+    global_process_set,
+    scale_,
+    synchronize,
+    words,
+)
+from collsync.torch._ops_gather import grouped_allgather
+from collsync.torch._process_sets import set_comm
+
+
+def _inner(t: torch.Tensor) -> int:
+    return int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
+
+
+def _splits(splits: Any, rows: int, size: int) -> list[int]:
+    """Horovod's checks of alltoall's `splits` (ValueError, as Horovod raises): int32, one entry per worker,
+    their sum at most the tensor's first dimension; None splits the first dimension evenly."""
+    if splits is None:
+        if rows % size:
+            raise ValueError(
+                "splits not provided, but first dimension of tensor is not an even multiple of the number of workers."
+            )
+        return [rows // size] * size
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+        if splits.dim() > 1:
+            raise ValueError("alltoall expects a 1D splits tensor")
+        values = [int(v) for v in splits.tolist()]
+    else:
+        values = [int(v) for v in splits]
+    if len(values) != size:
+        raise ValueError("Number of entries in splits does not equal number of workers.")
+    if any(v < 0 for v in values) or sum(values) > rows:
+        raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
+    return values
+
+
+def alltoall_async(
+    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = global_process_set
+) -> int:
+    """Start an alltoall: rows `splits[i]` (in order along dimension 0) go to worker i of the set, and every
+    worker's rows for this one come back concatenated in rank order; `synchronize` returns `(output,
+    received_splits)`, the latter an int32 tensor of the rows received from each worker (Horovod's answer)."""
+    what = "alltoall"
+    comm, _ = set_comm(process_set, what)
+    _check(tensor, what)
+    if tensor.dim() == 0:
+        raise ValueError("alltoall: the tensor must have at least one dimension")
+    size, me = comm.Get_size(), comm.Get_rank()
+    sends = _splits(splits, tensor.shape[0], size)
+    metas = _agree(comm, (str(tensor.dtype), tuple(tensor.shape[1:]), sends), what, vary=(2,))
+    received = [m[2][me] for m in metas]
+    src = tensor.detach().contiguous()
+    inner = _inner(src)
+    out = torch.empty((sum(received), *src.shape[1:]), dtype=src.dtype)
+    scounts = [s * inner for s in sends]
+    rcounts = [r * inner for r in received]
+    mpi_t = _mpi_type(src.dtype, what)
+    request = comm.Ialltoallv(
+        [words(src), (scounts, _offsets(scounts)), mpi_t], [words(out), (rcounts, _offsets(rcounts)), mpi_t]
+    )
+    recv_splits = torch.tensor(received, dtype=torch.int32)
+    return _register(_Handle(request, lambda: (out, recv_splits)))
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    return [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])] if counts else []
+
+
+def alltoall(
+    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = global_process_set
+) -> Any:
+    """Horovod's `alltoall`: the rows this worker receives, concatenated in rank order; with `splits` given,
+    `(output, received_splits)`. Autograd passes through (Horovod's `HorovodAlltoall`): the gradient goes back by
+    the alltoall the other way, with the received splits as its splits."""
+    return _AlltoallFn.apply(tensor, splits, process_set)
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, process_set: Any) -> Any:
+        out, received = synchronize(alltoall_async(tensor, splits, None, process_set))
+        ctx.process_set, ctx.received, ctx.rows = process_set, received, tensor.shape[0]
+        if splits is None:
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple[Any, ...]:
+        back, _ = alltoall(grad, splits=ctx.received, process_set=ctx.process_set)
+        if back.shape[0] < ctx.rows:  # rows past sum(splits) were not sent: their gradient is zero
+            back = torch.cat([back, back.new_zeros((ctx.rows - back.shape[0], *back.shape[1:]))])
+        return back, None, None
+
+
+def _scatter_rows(rows: int, size: int) -> list[int]:
+    """Horovod's split of dimension 0 for reducescatter: rows // size each, one more for the first rows % size."""
+    return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+
+
+def _reducescatter_start(
+    tensors: list[torch.Tensor], op: int, process_set: Any, pre: float, post: float, what: str
+) -> _Handle:
+    if op == Adasum:
+        raise NotImplementedError(f"{what}: op=Adasum is not supported (Horovod's reducescatter refuses it too)")
+    if op not in (Average, Sum):
+        raise NotImplementedError(f"{what}: Horovod's reducescatter supports only Average and Sum")
+    comm, _ = set_comm(process_set, what)
+    for t in tensors:
+        _check(t, what)
+        if t.dim() == 0:
+            raise ValueError(f"{what}: a scalar cannot be scattered (the tensor needs a first dimension)")
+    _agree(comm, tuple((str(t.dtype), tuple(t.shape)) for t in tensors), what)
+    size, me = comm.Get_size(), comm.Get_rank()
+    post = post / size if op == Average else post
+    requests, outs = [], []
+    for t in tensors:
+        buf = t.detach().clone(memory_format=torch.contiguous_format)
+        scale_(buf, pre)
+        rows = _scatter_rows(t.shape[0], size)
+        out = torch.empty((rows[me], *t.shape[1:]), dtype=t.dtype)
+        counts = [r * _inner(buf) for r in rows]
+        mpi_t = _mpi_type(buf.dtype, what)
+        op_mpi = _reduce_op(buf.dtype, op)
+        requests.append(comm.Ireduce_scatter([words(buf), mpi_t], [words(out), mpi_t], counts, op=op_mpi))
+        outs.append((buf, out))  # buf is kept alive until the request completes
+
+    def finish() -> list[torch.Tensor]:
+        return [scale_(out, post) for _, out in outs]
+
+    return _Handle(_Requests(requests), finish)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: int = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start a reducescatter; `synchronize` returns this worker's part of the Average (or Sum) over the set."""
+    op = _op(op, None, "reducescatter")
+    handle = _reducescatter_start([tensor], op, process_set, prescale_factor, postscale_factor, "reducescatter")
+    finish = handle.finish
+    handle.finish = lambda: finish()[0]
+    return _register(handle)
+
+
+def grouped_reducescatter_async(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    op: int = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start reducescatters of several tensors as one operation; `synchronize` returns the list of parts."""
+    op = _op(op, None, "grouped_reducescatter")
+    what = "grouped_reducescatter"
+    return _register(_reducescatter_start(list(tensors), op, process_set, prescale_factor, postscale_factor, what))
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Horovod's `reducescatter`: the Average (default) or Sum of `tensor` over the set's workers, split along
+    dimension 0 (the first `rows % size` workers get one row more), this worker's part. The tensors must agree in
+    dtype and shape. Autograd passes through with Horovod's gradient (`HorovodReducescatter`): the allgather of the
+    output gradients, times the set's size for Sum, times both scale factors."""
+    wire, cctx = compression.compress(tensor)
+    out = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, wire)[0]
+    return compression.decompress(out, cctx)
+
+
+def grouped_reducescatter(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """`reducescatter` of each tensor, as one operation (Horovod's `grouped_reducescatter`, autograd included)."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, *[p[0] for p in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, op: int, process_set: Any, pre: float, post: float, *tensors: torch.Tensor) -> Any:
+        op = _op(op, None, "reducescatter")
+        ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
+        handle = _reducescatter_start(list(tensors), op, process_set, pre, post, "reducescatter")
+        return tuple(handle.wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        factor = ctx.pre * ctx.post
+        if ctx.op == Sum:
+            comm, _ = set_comm(ctx.process_set, "reducescatter")
+            factor *= comm.Get_size()
+        scaled = [g * factor if factor != 1.0 else g for g in grads]
+        return (None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))
