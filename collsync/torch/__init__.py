@@ -84,6 +84,7 @@ from collsync.torch.ops import (
     reducescatter,
     reducescatter_async,
     remove_process_set,
+    sparse_allreduce_async,
     synchronize,
 )
 from collsync.torch.optimizer import DistributedOptimizer
@@ -127,7 +128,6 @@ elastic = _Refused(
     "relaunch and resume from checkpoints instead (the model's, and in server modes "
     "DistributedOptimizer.server_state_dict(), passed back as DistributedOptimizer(..., server_state=...))",
 )
-sparse_allreduce_async = _unsupported("sparse_allreduce_async")
 start_timeline = _unsupported("start_timeline")
 stop_timeline = _unsupported("stop_timeline")
 
@@ -202,6 +202,7 @@ __all__ = [
     "servers",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "speculative",
     "sync_config",
     "synchronize",

@@ -4,6 +4,7 @@ workers' communicator (see `collsync.torch.ops`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -259,3 +260,26 @@ def _max() -> Any:
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     return MPI.MAX
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str | None = None, op: int = Average, process_set: Any = global_process_set
+) -> Callable[[], torch.Tensor]:
+    """Horovod's `sparse_allreduce_async`: a sparse tensor's indices and values allgathered over the set (the sum
+    of the workers' sparse tensors, uncoalesced; divided by the set's size for Average). Returns a function that
+    waits and returns the result, as Horovod's does."""
+    comm, _ = set_comm(process_set, "sparse_allreduce_async")
+    indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), process_set=process_set)
+    values = allgather_async(tensor._values(), process_set=process_set)
+    size = comm.Get_size()
+
+    def wait() -> torch.Tensor:
+        vals = synchronize(values)
+        idx = synchronize(indices)
+        if op == Average:
+            vals = vals / size
+        if idx.dim() == 0 or vals.dim() == 0:
+            return tensor.new().resize_as_(tensor)
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, tensor.size(), check_invariants=True)
+
+    return wait

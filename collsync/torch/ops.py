@@ -64,6 +64,7 @@ from collsync.torch._ops_gather import (
     grouped_allgather,
     grouped_allgather_async,
     join,
+    sparse_allreduce_async,
 )
 from collsync.torch._ops_scatter import (
     alltoall,
@@ -128,6 +129,7 @@ __all__ = [
     "reducescatter_async",
     "remove_process_set",
     "scale_",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 

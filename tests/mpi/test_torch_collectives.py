@@ -246,3 +246,13 @@ def test_horovods_exception_classes():
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     interrupt = hvd.HostsUpdatedInterrupt(True)
     assert isinstance(interrupt, RuntimeError) and interrupt.skip_sync is True
+
+
+def test_sparse_allreduce_async_gathers_indices_and_values_as_horovod():
+    n, r = hvd.size(), hvd.rank()
+    dense = torch.zeros(4, 3)
+    dense[r % 4, 1] = float(r + 1)
+    wait = hvd.sparse_allreduce_async(dense.to_sparse(), name="s", op=hvd.Sum)
+    assert torch.equal(wait().to_dense(), hvd.allreduce(dense, op=hvd.Sum))
+    average = hvd.sparse_allreduce_async(dense.to_sparse(), name="a", op=hvd.Average)()
+    assert torch.allclose(average.to_dense(), hvd.allreduce(dense))
