@@ -9,7 +9,7 @@ applies). Partial: `PartialAllreduce.__call__(grad, quorum=n, round=t, out=out)`
 `timeout` is set; with one, an `MPI_Iallreduce` waited for up to it), the gradient copied into `out` first as the
 baseline copies it into its buffer. Also timed: the baseline's `Allreduce` by hand on a torch tensor's buffer over
 a duplicate communicator (the full-quorum path without its bookkeeping), the partial allreduce without `out` (a
-new 4 MiB mean per round, what `run_partial` does), and quorum n - 1 (one backup, the fastest n - 1 counted:
+new 4 MiB mean per round, what `rounds.run_partial` does), and quorum n - 1 (one backup, the fastest n - 1 counted:
 tickets, Puts to the host's window, each contributor summing one block of the slots in rank order, every rank
 Getting the mean), for scale. Each rep starts with a `Barrier` so the sides start from ranks in step; the time is
 the slowest rank's. Correctness: the partial mean equals the allreduce mean to float32 rounding (MPI may sum in

@@ -13,13 +13,15 @@ class TraceError(AssertionError):
     """A trace broke an invariant; the message lists every violation found."""
 
 
-def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int) -> dict[str, int]:
+def check_trace(
+    trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int, up_to_all: bool = False
+) -> dict[str, int]:
     """Check a run's trace against its policy; return counts (pushed, applied, dropped, updates).
 
     * updates are numbered 1, 2, 3, ... and time never goes backwards;
     * every pushed gradient is applied exactly once or dropped exactly once;
-    * an update aggregates `quorum` gradients (a round with a timeout: from `quorum` to every worker; a stream with
-      one: 1 to `quorum`);
+    * an update aggregates `quorum` gradients (a round with a timeout, or `up_to_all`: from `quorum` to every
+      worker; a stream with one: 1 to `quorum`);
     * rounds: an update aggregates only gradients of its own round, each worker at most once; a worker starts
       round c only on version >= c - max_lead;
     * staleness is never negative;
@@ -36,7 +38,9 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
     workers = next((int(e["was"]) for e in events if e["ev"] == "world"), workers)
     # An update takes exactly `quorum` gradients, except where a collection timeout lets it take fewer (a stream
     # flushed early) or more (a round that waited for every worker, up to the timeout after its quorum).
-    quorum, full = policy.quorum_for(workers), policy.full_for(workers)
+    # `up_to_all`: the transport lets a round take more than its quorum, up to every worker (serverless backup's
+    # margin: every gradient that comes within it).
+    quorum, full = policy.quorum_for(workers), workers if up_to_all else policy.full_for(workers)
     least = 1 if policy.timeout is not None and not policy.rounds else quorum
     pushed: Counter[tuple[int, int, int]] = Counter()
     settled: Counter[tuple[int, int, int]] = Counter()
@@ -60,7 +64,7 @@ def check_trace(trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int
         elif ev == "world":
             # A restart on another number of workers (`runs.resume.refit`): the bounds are the new world's.
             workers, lost = e["workers"], set()
-            quorum, full = policy.quorum_for(workers), policy.full_for(workers)
+            quorum, full = policy.quorum_for(workers), workers if up_to_all else policy.full_for(workers)
             least = 1 if policy.timeout is not None and not policy.rounds else quorum
         elif ev == "lost":
             lost.add(e["worker"])

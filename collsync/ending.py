@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -182,6 +182,11 @@ def abort_at_exit(comm: MPI.Comm, status: int = 0) -> None:
     _hook()
 
 
+def leaving() -> bool:
+    """Whether this process ends without `MPI_Finalize` (a rank was lost): then nothing waits for every rank."""
+    return _RECORD.mode != "finish"
+
+
 def _at_exit() -> None:
     record = _RECORD
     for first in list(record.first):
@@ -191,6 +196,19 @@ def _at_exit() -> None:
         end(record.status, comm=record.comm)
     if record.mode == "leave":
         end(record.status, linger=record.linger)
+
+
+# -- lost ranks -----------------------------------------------------------------------------------------------
+
+
+def lost_rank(rank: int, host: str | None, last_update: int | None, world_rank: int | None = None) -> dict[str, Any]:
+    """The one record of a rank the others went on without, as `summary.json`'s `lost` and `opt.lost` list it:
+    its rank (among the workers, or in the run's world), its host, the last update it was part of (None: not
+    known), and in a `collsync.torch` script its rank in the whole MPI world."""
+    record: dict[str, Any] = {"rank": rank}
+    if world_rank is not None:
+        record["world_rank"] = world_rank
+    return {**record, "host": host, "last_update": last_update}
 
 
 # -- failures -------------------------------------------------------------------------------------------------

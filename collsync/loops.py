@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from collsync.flat import FlatModel
 from collsync.lost import LOST_POLL_S, close_serving, lose_silent, stuck_message, until_silent
 from collsync.policy import SyncPolicy
-from collsync.runtime import Collective, Partial, PartialResult, ServingMailbox, WorkerMailbox
+from collsync.runtime import Collective, ServingMailbox, WorkerMailbox
 from collsync.server import Server
 from collsync.specsync import Aborted
 from collsync.types import Arrival, Flat, Stamp
@@ -348,49 +348,3 @@ def check_policy(policy: SyncPolicy) -> None:
             f"runtime=partial runs sync=bsp or sync=backup (rounds, no lead, no timeout); got sync={policy.name} "
             f"(rounds={policy.rounds}, max_lead={policy.max_lead}, timeout={policy.timeout})"
         )
-
-
-def run_partial(
-    server: Server,
-    pa: Partial,
-    grads: GradFn,
-    on_update: Callable[[Server], None] | None = None,
-) -> Server:
-    """Train `server` (this rank's replica) to `server.steps` updates, each the mean of the first `quorum` gradients.
-
-    Every rank calls this with an identical replica; each applies the same means in the same order, so the replicas
-    stay identical without a broadcast. Returns `server`.
-    """
-    check_policy(server.policy)
-    if server.workers != pa.size:
-        raise ValueError(f"run_partial: the server expects workers={server.workers}, the world has {pa.size} ranks")
-    # The partial allreduce numbers its rounds from 0; a replica resumed at version `base` maps them onto its own.
-    # The batch index goes on from the version (with b = 0, every rank computes every round; else it is a choice).
-    base = computed = server.version
-    while not server.done:
-        t = server.version - base
-        result = pa.try_read(server.quorum, t)
-        if result is None:
-            # The gradient function copies the view into the model itself: no copy of our own here.
-            result = pa(grads(server.view(), pa.rank, computed), server.quorum, t)
-            computed += 1
-        apply_result(server, result._replace(round=result.round + base))
-        if on_update is not None:
-            on_update(server)
-    return server
-
-
-def apply_result(server: Server, result: PartialResult) -> None:
-    """One round on a replica: the contributors' mean is applied, then the other ranks' gradients reach the replica
-    late and are dropped by the server's own rule for a round already applied (reason "late", or "finished" after
-    the last update), exactly as the parameter-server runtime drops a straggler's gradient."""
-    t = result.round
-    if t != server.version:
-        raise ValueError(f"run_partial: result of round {t} applied to a replica at version {server.version}")
-    mean = result.mean
-    server.apply_mean(mean, [Arrival(r, t, mean, t) for r in result.contributors])
-    for r in result.dropped:
-        # The dropped gradient itself never travels (it may not even have been computed): the mean stands in for
-        # it, and is never read, because a gradient of round t < version is dropped before anything uses it.
-        if server.accept(Arrival(r, t, mean, t)):
-            raise RuntimeError(f"run_partial: rank {r}'s late gradient of round {t} was not dropped")

@@ -64,3 +64,11 @@ class Margin:
             self.dev += (abs(gap - self.mean) - self.dev) / 4
             self.mean += (gap - self.mean) / 8
         self.estimate = self.mean + 4 * self.dev
+
+
+def check_margin(margin: float | str | None) -> None:
+    """None (close at the quorum), "auto" (a margin from the measured arrivals) or a positive number of seconds."""
+    if margin is None or margin == "auto":
+        return
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
+        raise ValueError(f"partial allreduce: margin={margin!r} must be None, 'auto' or a number of seconds > 0")

@@ -104,13 +104,15 @@ def write_run(
     params: torch.Tensor | None = None,
     ema: torch.Tensor | None = None,
     extra: dict[str, Any] | None = None,
+    up_to_all: bool = False,
 ) -> dict[str, Any]:
     """Check the trace, write the run folder (trace, parameters, report) and log the summary; return it.
-    `params` / `ema` are the whole model's when the server held one shard of them; `extra` goes into summary.json
+    `params` / `ema` are the whole model's when the server held one shard of them; `extra` goes into summary.json;
+    `up_to_all`: a round may take every gradient (`checks.check_trace`).
     (`incomplete`: why a run was cut short)."""
     counts: dict[str, Any]
     try:
-        counts = dict(check_trace(trace, policy, server.workers))
+        counts = dict(check_trace(trace, policy, server.workers, up_to_all))
     except (AssertionError, ValueError) as exc:
         if not (extra or {}).get("incomplete"):
             raise

@@ -118,9 +118,9 @@ def main() -> None:
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = build_model(args.model, features)
     # Horovod's scaling for a mean of size() gradients; in the server modes collsync rescales it to the gradients
-    # one update averages (collsync.torch.config.server_lr: every mode trains with it unchanged), runs the momentum
+    # one update averages (collsync.torch.server_rule.server_lr: every mode trains with it unchanged), runs the momentum
     # per worker where an update is one gradient (async, as DANA) and looks ahead over SSP's stale rounds
-    # (config.server_momentum).
+    # (server_rule.server_momentum).
     lr = args.lr * hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -6,12 +6,14 @@ argument. `runtime=allreduce` (full sync, BSP): the mean of every rank's gradien
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from collsync import ending
 from collsync.evaluate import Evaluator
-from collsync.loops import GradFn, run_allreduce, run_partial
+from collsync.loops import GradFn, run_allreduce
 from collsync.lost import grace
+from collsync.rounds import run_partial, tolerated
 from collsync.rundir import write_run
 from collsync.runs.delays import injected
 from collsync.runs.parts import Launch, keep_on_failure, make_server, progress
@@ -19,6 +21,7 @@ from collsync.runs.resume import replicas_resume
 from collsync.runtime.mpi_buckets import BucketReducer
 from collsync.runtime.mpi_coll import MpiCollective, shutdown
 from collsync.runtime.mpi_partial import PartialAllreduce
+from collsync.runtime.mpi_world import open_mpi
 from collsync.server import Server
 from collsync.trace import Trace
 
@@ -35,6 +38,8 @@ class Step:
     free: Callable[[], None]
     shutdown: Callable[[], None]  # the other ranks sleep, rather than spin in MPI, while rank 0 writes
     evaluates_first: bool  # rank 0 evaluates the starting point (not after a resume)
+    lost: list[dict[str, Any]] = field(default_factory=list)  # ranks the others finished without (`free` finds them)
+    up_to_all: bool = False  # a round may take every gradient (backup's margin: those that came within it)
 
 
 def allreduce_step(launch: Launch) -> Step:
@@ -60,22 +65,56 @@ def allreduce_step(launch: Launch) -> Step:
 
 
 def partial_step(launch: Launch) -> Step:
-    """Backup workers: rounds of a k-of-n partial allreduce of depth `runtime.depth`."""
+    """Backup workers: rounds of a k-of-n partial allreduce (`runtime.depth`, `runtime.margin`), driven as
+    `collsync.torch` drives them (`rounds`: a late rank catches up unless `runtime.catch_up=false`), and a rank
+    silent for the deadline lost while at most `backups` are: the others finish without it, `lost` in the summary."""
     parts, flat, grads = launch.parts, launch.flat, launch.grads
+    spec, policy = parts.runtime, parts.policy
     if launch.sampler is not None:
         # A frozen rank never comes back here: the others go on while it is within `depth` rounds, then wait for it
-        # (for at most sync.deadline, then the run fails naming it).
-        grads = injected(grads, launch.sampler, parts.runtime.time_scale, lambda: False)
+        # (for at most sync.deadline, then it is lost, or the run fails naming it).
+        grads = injected(grads, launch.sampler, spec.time_scale, lambda: False)
     pa = PartialAllreduce(
-        launch.comm, flat.numel, dtype=flat.params.dtype, depth=parts.runtime.depth, timeout=parts.policy.deadline
+        launch.comm,
+        flat.numel,
+        dtype=flat.params.dtype,
+        depth=spec.depth,
+        timeout=policy.deadline,
+        margin=spec.margin,
+        tolerate=tolerated(policy, launch.workers),
     )
 
-    def train(server: Server, grads: GradFn, on_update: OnUpdate) -> None:
-        run_partial(server, pa, grads, on_update=on_update)
+    lost: list[dict[str, Any]] = []
+    base = [0]  # the version the replica started at (a resume): the partial allreduce counts its rounds from it
 
-    # `free` is collective; no `finally`: after a failure cli._fail aborts the world.
-    deadline = parts.policy.deadline  # the end never waits for ever on a lost rank
-    return Step(grads, train, pa.free, lambda: shutdown(launch.comm, deadline), evaluates_first=True)
+    def train(server: Server, grads: GradFn, on_update: OnUpdate) -> None:
+        base[0] = server.version
+        run_partial(server, pa, grads, on_update=on_update, catch_up=spec.catch_up is not False)
+
+    def free() -> None:
+        """Collective, unless ranks were lost: then the windows and the world's end are left to the exit."""
+        if pa.tolerate and pa.leave_live():
+            lost.extend(ending.lost_rank(r, pa.host_of(r), pa.lost[r] - 1 + base[0]) for r in sorted(pa.lost))
+            leave_without(launch)
+            return
+        pa.free()  # no `finally`: after a failure cli._fail aborts the world
+
+    def end() -> None:
+        if not lost:
+            shutdown(launch.comm, policy.deadline)  # the end never waits for ever on a lost rank
+
+    margin = spec.margin is not None and policy.quorum_for(launch.workers) < launch.workers
+    return Step(grads, train, free, end, evaluates_first=True, lost=lost, up_to_all=margin)
+
+
+def leave_without(launch: Launch) -> None:
+    """Ranks were lost: every rank leaves at exit without `MPI_Finalize` (which would wait for them), and under
+    MPICH rank 0 ends the job once the run folder is written (mpiexec would wait for a stopped rank)."""
+    rank0 = launch.comm.Get_rank() == 0
+    if rank0 and not open_mpi():
+        ending.abort_at_exit(launch.comm)
+    else:
+        ending.leave_at_exit(linger=0.0 if open_mpi() or rank0 else 2 * grace(launch.parts.policy.deadline))
 
 
 def run_replicas(launch: Launch, step_for: Callable[[Launch], Step]) -> dict[str, Any] | None:
@@ -101,6 +140,11 @@ def run_replicas(launch: Launch, step_for: Callable[[Launch], Step]) -> dict[str
     if bar is not None:
         bar.close()
     step.free()
-    result = write_run(launch.out_dir, trace, parts.policy, server, parts.config, extra=hosts) if rank == 0 else None
+    extra = {**hosts, **({"lost": step.lost} if step.lost else {})}
+    result = None
+    if rank == 0:
+        result = write_run(
+            launch.out_dir, trace, parts.policy, server, parts.config, extra=extra, up_to_all=step.up_to_all
+        )
     step.shutdown()
     return result

@@ -1,11 +1,10 @@
-"""Parameter-server shards on MPI windows: ranks 0..M-1 each serve one block of the flat parameters, the other
-ranks are workers (`runtime=mpi`), and SpecSync's scheduler runs in rank 0's server loop or on a rank of its own,
-the last (`sync.scheduler=rank`).
+"""collsync-train `runtime=mpi`: parameter-server shards on MPI windows (ranks 0..M-1 each serve one block of the
+flat parameters, the other ranks are workers), and SpecSync's scheduler in rank 0's server loop or on a rank of its
+own, the last (`sync.scheduler=rank`).
 
-`ShardRun` is one rank's part in such a run, for both fronts: `collsync-train runtime=mpi` runs every rank through
-it (`run_shards`), and `collsync.torch`'s server ranks serve through the same `open()` and `serve()` (their
-workers are the user's `DistributedOptimizer`). `Serving` says what is served; the `Launch` of a collsync-train
-run adds what only it has: the evaluation, the checkpoints, the trace and the run folder.
+`ShardRun` is the engine both fronts share (`collsync.serving.ShardEngine`) with the trainer's extras handed in
+through its hooks: the evaluation, the checkpoints, the trace, the slow shard; `work()` for a worker rank; and
+`finish()`, where rank 0 writes the run folder. `run_shards` runs every rank through it.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,153 +20,66 @@ from collsync import ending
 from collsync.checkpoint import Keeper
 from collsync.checks import check_trace
 from collsync.evaluate import Evaluator
-from collsync.loops import Worker, run_server, run_worker
+from collsync.loops import Worker, run_worker
 from collsync.lost import grace, silence_bound
-from collsync.policy import SyncPolicy
 from collsync.rundir import save_incomplete, write_run
 from collsync.runs.delays import injected
 from collsync.runs.parts import Launch, keep_on_failure, make_server, progress, scheduler_ranks
 from collsync.runs.resume import checkpoints, rank0_keeper, restore, resume_counts, shard_parts, shard_state
 from collsync.runtime.mpi_checkpoint import ShardStates
-from collsync.runtime.mpi_shards import TAG_END, Shards, gather_within
+from collsync.runtime.mpi_shards import TAG_END, gather_within
 from collsync.runtime.mpi_specsync import SchedulerService, Speculator, install_safe_points
 from collsync.runtime.mpi_world import open_mpi
 from collsync.runtime.watchdog import agree_on_the_end, worker_watchdog
 from collsync.server import Server
+from collsync.serving import Serving, ShardEngine, State
 from collsync.trace import Trace
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-State = dict[str, Any]
 
+class ShardRun(ShardEngine):
+    """collsync-train's rank in a sharded run: the engine, with the trainer's extras handed in through its hooks
+    (the evaluation, the checkpoints, the trace, the slow shard and the run folder), `work()` for a worker rank,
+    and `finish()`: gathers, closes, and rank 0 writes the run folder."""
 
-@dataclass
-class Serving:
-    """What the server ranks serve, whichever front launched them. `server(block, trace)`: this rank's `Server`
-    of its block of the parameters. `time_scale`: wall seconds per second of SpecSync's clock. `dedicated`:
-    SpecSync's scheduler has a rank of its own (the last). `until_left`: serve until every worker left, and tell
-    each the scheduler's counts (collsync.torch), rather than until `steps`. `state`: one `Server.state_dict()`
-    per shard to go on from (collsync.torch's `server_state`)."""
-
-    numel: int
-    dtype: torch.dtype
-    servers: int
-    workers: int
-    policy: SyncPolicy
-    server: Callable[[slice, Trace | None], Server]
-    time_scale: float = 1.0
-    dedicated: bool = False
-    until_left: bool = False
-    state: list[State] | None = None
-
-
-class ShardRun:
-    """One rank's part in a sharded run: `open()` (collective), then `serve()`, `work()` or `schedule()` by role,
-    then `finish()` (collsync-train: gathers, closes, and rank 0 writes the run folder) or `close()`."""
-
-    def __init__(self, comm: MPI.Comm, serving: Serving, launch: Launch | None = None) -> None:
-        self.comm, self.serving, self.launch = comm, serving, launch
-        self.trace = Trace() if launch is not None else None
-        self.train_comm: MPI.Comm = comm
-        self.spec_comm: MPI.Comm | None = None
-        self.shards: Shards | None = None
-        self.states: ShardStates | None = None
-        self.scheduling = False  # this rank is SpecSync's scheduler (sync.scheduler=rank)
+    def __init__(self, comm: MPI.Comm, serving: Serving, launch: Launch) -> None:
+        super().__init__(comm, serving)
+        self.launch = launch
+        self.trace: Trace = Trace()
         self.saved: State | None = None  # rank 0: the checkpoint it resumes from
         self.keeper: Keeper | None = None
         self.have: list[tuple[list[int], list[int]]] | None = None  # each shard's counts, to resume the workers
         self.resumed: State | None = None  # shard j >= 1: its part of the checkpoint
-        self.server: Server | None = None
         self.evaluate: Evaluator | None = None
-        self.service: SchedulerService | None = None
         self.speculator: Speculator | None = None
-        self.mine: Any = None  # what this rank gives rank 0 at the end
-        self.answering: Callable[[], None] | None = None  # a server's answer to state requests while it closes
-        self.served = False  # collsync-train: this shard's final state was sent (shard j) or taken (rank 0)
+        self.served = False  # this shard's final state was sent (shard j) or taken (rank 0)
         self.evaluated = False  # rank 0 of several shards: the final evaluation was recorded
 
-    def open(self) -> None:
-        """Collective over the world: the shards' windows, SpecSync's communicator, the state messages, and where
-        each rank resumes (rank 0 reads the checkpoint; the others are sent their part: no shared file system)."""
-        sv, comm = self.serving, self.comm
-        rank, size = comm.Get_rank(), comm.Get_size()
-        # SpecSync's scheduler on a rank of its own (the last) stays out of the shards' windows.
-        self.scheduling = sv.dedicated and rank == size - 1
-        if sv.dedicated:
-            self.train_comm = comm.Split(int(self.scheduling), rank)
-        if not self.scheduling:
-            self.shards = Shards(self.train_comm, sv.numel, sv.servers, sv.dtype)
-        if self.launch is not None:
-            # Rank 0 keeps the checkpoints and tells each worker where it resumes: after the last gradient each
-            # shard got from it, so none is lost or applied twice.
-            self.keeper, self.saved = rank0_keeper(self.launch)
-            self.have = comm.bcast(None if self.saved is None else resume_counts(self.saved), root=0)
-        self.spec_comm = comm.Dup() if sv.policy.speculation is not None else None
-        if self.scheduling:
-            return
-        if self.launch is None:
-            # collsync.torch: worker 0 (world rank M) asks for the states, when the script saves them.
-            self.states = ShardStates(comm, sv.servers, asker=sv.servers, dup=False)
-        elif sv.servers > 1:
-            self.states = ShardStates(self.train_comm, sv.servers)
-            self.resumed = self.train_comm.scatter(shard_parts(self.saved, self.train_comm.Get_size()), root=0)
+    # -- the engine's hooks ---------------------------------------------------------------------------------------
 
-    # -- a server rank -------------------------------------------------------------------------------------------
+    def _open_more(self) -> None:
+        # Rank 0 keeps the checkpoints and tells each worker where it resumes: after the last gradient each shard
+        # got from it, so none is lost or applied twice (rank 0 reads the checkpoint; the others are sent their
+        # part: no shared file system).
+        self.keeper, self.saved = rank0_keeper(self.launch)
+        self.have = self.comm.bcast(None if self.saved is None else resume_counts(self.saved), root=0)
 
-    def serve(self) -> None:
-        """Serve this rank's shard until training ends (with `until_left`: until every worker left)."""
-        sv, shards = self.serving, self.shards
-        assert shards is not None and shards.serving, "serve(): this rank serves no shard"
-        server = self.server = sv.server(shards.block, self.trace)
-        self._start(server)
-        speculation = sv.policy.speculation
-        if speculation is not None and shards.rank == 0:
-            assert self.spec_comm is not None
-            ranks = list(range(sv.servers, sv.servers + sv.workers))
-            self.service = SchedulerService(
-                self.spec_comm, speculation, ranks, sv.time_scale, self.trace, schedules=not sv.dedicated
-            )
-        between = self._between(server)
-        poll = self.service.poll if self.service is not None else None
-        with self._on_failure(server):
-            run_server(
-                server,
-                shards.own,
-                on_update=self.evaluate,
-                until_left=sv.until_left,
-                publish_delay=self._publish_delay(),
-                between=between,
-                poll=poll,
-                waiting=self._waiting(server),
-            )
-            self._served(server)
-        if self.service is not None:
-            # Every worker says BYE when it leaves; the last leaves after this server stopped under a round policy.
-            self.service.close(sv.policy.deadline, tell=sv.until_left)
-        if self.evaluate is not None and self.evaluate.progress is not None:
-            self.evaluate.progress.close()
-        if self.trace is not None:
-            applies = self.trace.of("apply")
-            # Each shard's own clock starts at the (collective) window creation: close enough to compare shards.
-            counts: dict[str, Any] = dict(check_trace(self.trace, sv.policy, sv.workers))
-            counts["last_update_s"] = applies[-1]["t"] if applies else 0.0
-            self.mine = (server.params, server.ema, server.version, counts)
+    def _open_states(self) -> ShardStates | None:
+        if self.serving.servers <= 1:
+            return None
+        states = ShardStates(self.train_comm, self.serving.servers)
+        self.resumed = self.train_comm.scatter(shard_parts(self.saved, self.train_comm.Get_size()), root=0)
+        return states
 
     def _start(self, server: Server) -> None:
-        """Where this shard starts: a saved state, or (rank 0 of collsync-train) its evaluator's first point."""
-        sv, launch, shards = self.serving, self.launch, self.shards
+        """Where this shard starts: rank 0 its evaluator's first point, or the checkpoint; shard j its part."""
+        super()._start(server)
+        shards = self.shards
         assert shards is not None
-        if sv.state is not None:
-            if len(sv.state) != sv.servers:
-                raise ValueError(f"server_state: {len(sv.state)} shard state(s) for {sv.servers} server(s)")
-            # Gradients the saved run's workers had sent for a round to come belong to that run: these workers
-            # send their own.
-            server.load_state_dict({**sv.state[shards.rank], "pending": {}})
-        if launch is None or self.trace is None:
-            return
         if shards.rank == 0:
-            self.evaluate = self._evaluator(launch, server)
+            self.evaluate = self._evaluator(self.launch, server)
             if self.saved is not None:
                 assert self.keeper is not None
                 restore(self.saved, self.keeper, server, self.trace, self.evaluate, shift_clock=True)
@@ -178,10 +89,13 @@ class ShardRun:
             server.load_state_dict(self.resumed["server"])
             self.trace.resume(self.resumed["events"], shift_clock=True)
 
+    def _on_update(self) -> Callable[[Server], None] | None:
+        return self.evaluate
+
     def _evaluator(self, launch: Launch, server: Server) -> Evaluator:
         """Rank 0's evaluator; with several shards, of the whole model assembled from every shard's last publish."""
         parts, run, shards = launch.parts, launch.parts.run, self.shards
-        assert shards is not None and self.trace is not None
+        assert shards is not None
         several = self.serving.servers > 1
         full = launch.flat.params.clone()
         block = shards.block
@@ -206,32 +120,39 @@ class ShardRun:
         )
 
     def _between(self, server: Server) -> Callable[[Server], None] | None:
-        """The server loop's hook between two messages: checkpoints (collsync-train), or answers to worker 0's
-        requests for the state (collsync.torch: also while the server waits to close)."""
-        if self.launch is not None:
-            assert self.trace is not None
-            return checkpoints(self.keeper, self.states, self.trace, self.evaluate)
-        states = self.states
-        assert states is not None
-        self.answering = lambda: states.answer(server.version, server.state_dict)
-        return lambda s: states.answer(s.version, s.state_dict)
+        """Checkpoints between two messages."""
+        return checkpoints(self.keeper, self.states, self.trace, self.evaluate)
 
     def _publish_delay(self) -> float:
         """A slow server (`stragglers=slow_server`, injected): seconds the slow shard stays busy after each update."""
         launch, shards = self.launch, self.shards
-        if launch is None or launch.sampler is None or shards is None:
+        if launch.sampler is None or shards is None:
             return 0.0
         model = launch.parts.stragglers
         return model.slow_server * launch.parts.runtime.time_scale if shards.rank == model.shard else 0.0
 
+    def _on_failure(self, server: Server) -> contextlib.AbstractContextManager[Any]:
+        """A worker stopped, hung or died, or training diverged: rank 0 keeps what was trained before the error
+        ends the run."""
+        launch, shards, trace, evaluate = self.launch, self.shards, self.trace, self.evaluate
+        assert shards is not None
+        parts = launch.parts
+
+        def save(why: str) -> None:
+            at = evaluate.evaluate_at if evaluate is not None else None
+            hosts = {"hosts": launch.hosts}
+            save_incomplete(
+                launch.out_dir, trace, parts.policy, server, parts.config, why, shards=shards, evaluate=at, extra=hosts
+            )
+
+        return keep_on_failure(save if shards.rank == 0 else None, grace(parts.policy.deadline))
+
     def _waiting(self, server: Server) -> Callable[[list[int]], None] | None:
-        """collsync-train: training is over but workers are still out (stopped, cut off, or mid-step), and the wait
-        for them may last until the deadline: rank 0 writes the run folder now (shard j >= 1 sends it its final
-        state first), so that what was trained never waits on them, nor on whatever ends the job meanwhile."""
+        """Training is over but workers are still out (stopped, cut off, or mid-step), and the wait for them may
+        last until the deadline: rank 0 writes the run folder now (shard j >= 1 sends it its final state first), so
+        that what was trained never waits on them, nor on whatever ends the job meanwhile."""
         shards = self.shards
         assert shards is not None
-        if self.launch is None:
-            return None
         if shards.rank > 0:
             return lambda out: self._served(server)
         return lambda out: self._write_trained(server, out)
@@ -239,14 +160,13 @@ class ShardRun:
     def _write_trained(self, server: Server, out: list[int]) -> None:
         """Rank 0, while workers `out` are still waited for: the whole run folder, `waiting_on` naming them in
         summary.json; `finish()` writes it again once they stopped or were lost."""
-        launch, shards, trace = self.launch, self.shards, self.trace
-        assert launch is not None and shards is not None and trace is not None
-        parts = launch.parts
+        launch, shards, parts = self.launch, self.shards, self.launch.parts
+        assert shards is not None
         self._served(server)  # several shards: their final states, which hold their blocks
         params, ema = self._trained(server)
         waiting_on = [{"rank": r, "host": h} for r, h in (shards.own.locate(w) for w in out)]
         extra = {"hosts": launch.hosts, "waiting_on": waiting_on}
-        write_run(launch.out_dir, trace, parts.policy, server, parts.config, params=params, ema=ema, extra=extra)
+        write_run(launch.out_dir, self.trace, parts.policy, server, parts.config, params=params, ema=ema, extra=extra)
         named = ", ".join(f"rank {x['rank']} on {x['host']}" for x in waiting_on)
         deadline = parts.policy.deadline
         until = "for ever (sync.deadline=null)" if deadline is None else f"up to deadline={deadline:g}s, then lost"
@@ -273,42 +193,33 @@ class ShardRun:
             self.evaluated = True
 
     def _served(self, server: Server) -> None:
-        """collsync-train: every shard's final state reaches rank 0 (several shards), once: at the end of the
-        server loop, or earlier where workers were still out once training was over (`_waiting`)."""
+        """Every shard's final state reaches rank 0 (several shards), once: at the end of the server loop, or
+        earlier where workers were still out once training was over (`_waiting`)."""
         shards = self.shards
         assert shards is not None
-        if self.launch is None or self.states is None or self.served:
-            return
-        self.served = True
-        if shards.rank > 0:
-            assert self.trace is not None
-            self.states.send_last(shard_state(server, self.trace))
-        else:
-            self.states.finish(grace(self.serving.policy.deadline))  # the others' final states: their sends complete
+        if self.states is not None and not self.served:
+            self.served = True
+            if shards.rank > 0:
+                self.states.send_last(shard_state(server, self.trace))
+            else:
+                self.states.finish(grace(self.serving.policy.deadline))  # the others' final states: sends complete
 
-    def _on_failure(self, server: Server) -> contextlib.AbstractContextManager[Any]:
-        """A worker stopped, hung or died, or training diverged: rank 0 keeps what was trained before the error
-        ends the run (collsync-train; collsync.torch's server ranks abort the world at once)."""
-        launch, shards, trace = self.launch, self.shards, self.trace
-        if launch is None or shards is None or trace is None:
-            return contextlib.nullcontext()
-        parts, evaluate = launch.parts, self.evaluate
+    def _after(self, server: Server) -> None:
+        """The bar closed, and what this shard gives rank 0 at the end: its block, EMA, version and counts."""
+        if self.evaluate is not None and self.evaluate.progress is not None:
+            self.evaluate.progress.close()
+        applies = self.trace.of("apply")
+        # Each shard's own clock starts at the (collective) window creation: close enough to compare shards.
+        counts: dict[str, Any] = dict(check_trace(self.trace, self.serving.policy, self.serving.workers))
+        counts["last_update_s"] = applies[-1]["t"] if applies else 0.0
+        self.mine = (server.params, server.ema, server.version, counts)
 
-        def save(why: str) -> None:
-            at = evaluate.evaluate_at if evaluate is not None else None
-            hosts = {"hosts": launch.hosts}
-            save_incomplete(
-                launch.out_dir, trace, parts.policy, server, parts.config, why, shards=shards, evaluate=at, extra=hosts
-            )
-
-        return keep_on_failure(save if shards.rank == 0 else None, grace(parts.policy.deadline))
-
-    # -- a worker rank and the scheduler's rank ------------------------------------------------------------------
+    # -- a worker rank ------------------------------------------------------------------
 
     def work(self) -> None:
         """A worker (collsync-train): pull, compute, push until every shard is done."""
         launch, shards, sv = self.launch, self.shards, self.serving
-        assert launch is not None and shards is not None
+        assert shards is not None
         policy, spec = sv.policy, launch.parts.runtime
         # A worker gives up on a silent server after twice the deadline the server gives its workers, plus the time
         # rank 0 may take to write the run folder after its own deadline fired (it publishes nothing meanwhile).
@@ -339,31 +250,7 @@ class ShardRun:
         else:
             self.mine = (mailbox.partial_reads, None)
 
-    def schedule(self) -> None:
-        """SpecSync's scheduler on a rank of its own (`sync.scheduler=rank`): serve notifies until every worker
-        said BYE; what it gives rank 0 at the end: no partial pulls, and its counts and bytes."""
-        sv = self.serving
-        assert sv.policy.speculation is not None and self.spec_comm is not None
-        ranks = list(range(sv.servers, sv.servers + sv.workers))
-        service = SchedulerService(self.spec_comm, sv.policy.speculation, ranks, sv.time_scale, None)
-        service.serve(sv.policy.deadline)
-        self.mine = (0, service.summary())
-
     # -- the end ------------------------------------------------------------------------------------------------
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Collective: free the windows and the communicators. No `finally: close()` around a run: freeing is
-        collective, and after a failure the other ranks are not there to join it (cli._fail aborts the world).
-        `timeout`: a rank not there by then (a lost worker) leaves everything to the exit. Whether all was freed."""
-        if self.shards is not None and not self.shards.close(while_waiting=self.answering, timeout=timeout):
-            return False
-        if self.spec_comm is not None:
-            self.spec_comm.Free()
-        if self.states is not None:
-            self.states.free()
-        if self.train_comm is not self.comm:
-            self.train_comm.Free()
-        return True
 
     def finish(self) -> dict[str, Any] | None:
         """collsync-train, every rank: rank 0 gathers the shards' blocks and counts, the workers' partial pulls and
@@ -390,7 +277,7 @@ class ShardRun:
         if self.comm.Get_rank() != 0:
             return None
         server, launch, trace = self.server, self.launch, self.trace
-        assert server is not None and launch is not None and trace is not None and self.shards is not None
+        assert server is not None and self.shards is not None
         if not closed and not open_mpi():  # Open MPI's abort under --enable-recovery ends this rank alone
             ending.abort_at_exit(self.comm)
         lost = lost_workers(trace, [r for r, b in enumerate(blocks) if b is None], launch.hosts)
@@ -438,9 +325,9 @@ def run_shards(launch: Launch) -> dict[str, Any] | None:
 def lost_workers(trace: Trace, silent: list[int], hosts: list[str]) -> list[dict[str, Any]]:
     """The summary's `lost`: each worker the server lost (its `lost` event: rank, host, last update it was part
     of), then each rank that did not answer at the end (no last update known: null)."""
-    lost = [{"rank": e["rank"], "host": e["host"], "last_update": e["last_update"]} for e in trace.of("lost")]
+    lost = [ending.lost_rank(e["rank"], e["host"], e["last_update"]) for e in trace.of("lost")]
     known = {e["rank"] for e in lost}
-    lost += [{"rank": r, "host": hosts[r], "last_update": None} for r in silent if r not in known]
+    lost += [ending.lost_rank(r, hosts[r], None) for r in silent if r not in known]
     return lost
 
 

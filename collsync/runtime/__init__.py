@@ -93,7 +93,7 @@ class PartialResult(NamedTuple):
 
 
 class Partial(Protocol):
-    """A k-of-n partial allreduce (`collsync.runtime.mpi_partial.PartialAllreduce`), as `loops.run_partial` uses it."""
+    """A k-of-n partial allreduce (`runtime.mpi_partial.PartialAllreduce`), as `rounds.BackupRounds` drives it."""
 
     rank: int
     size: int

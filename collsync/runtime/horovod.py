@@ -6,6 +6,11 @@ one clear line, not an ImportError deep in a step.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 from typing import Any
 
 import torch
@@ -21,7 +26,7 @@ def _hvd() -> Any:
     return hvd
 
 
-def init(comm: Any) -> None:
+def init(comm: MPI.Comm) -> None:
     """Start Horovod on the workers' communicator (the same ranks, in the same order, as collsync's)."""
     _hvd().init(comm=comm)
 
@@ -29,6 +34,5 @@ def init(comm: Any) -> None:
 def allreduce_(tensor: torch.Tensor, op: int, prescale: float, postscale: float) -> torch.Tensor:
     """In place: Horovod's Average (0) or Sum (1) of `tensor`, with its pre/post scale factors."""
     hvd = _hvd()
-    return hvd.allreduce_(
-        tensor, op=hvd.Average if op == 0 else hvd.Sum, prescale_factor=prescale, postscale_factor=postscale
-    )
+    hvd.allreduce_(tensor, op=hvd.Average if op == 0 else hvd.Sum, prescale_factor=prescale, postscale_factor=postscale)
+    return tensor  # Horovod's in-place op returns this same tensor

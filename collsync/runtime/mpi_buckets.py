@@ -6,6 +6,11 @@ tensor fusion on its background thread, Sergeev & Del Balso 2018; PyTorch DDP's 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 import math
 from collections.abc import Callable
 from typing import Any
@@ -68,7 +73,7 @@ class BucketReducer:
 
     def __init__(
         self,
-        comm: Any,
+        comm: MPI.Comm,
         buffer: ParamBuffer,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         *,

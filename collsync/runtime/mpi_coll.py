@@ -7,6 +7,11 @@ at different times leave together without spinning; `threads_supported` says whe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 import os
 import time
 from collections.abc import Callable
@@ -70,7 +75,7 @@ class MpiCollective:
     reads and writes torch's buffer directly and no copy is made.
     """
 
-    def __init__(self, comm: Any, deadline: float | None = None) -> None:
+    def __init__(self, comm: MPI.Comm, deadline: float | None = None) -> None:
         self.comm = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
@@ -121,7 +126,7 @@ class ShutdownTimeout(RankLost):
         self.request = request
 
 
-def shutdown(comm: Any, timeout: float | None = None, while_waiting: Callable[[], None] | None = None) -> None:
+def shutdown(comm: MPI.Comm, timeout: float | None = None, while_waiting: Callable[[], None] | None = None) -> None:
     """Return once every rank of `comm` has called this: an `Ibarrier`, tested with growing sleeps in between.
 
     A rank that finishes early (the others still training, or rank 0 still writing the run folder) sleeps instead

@@ -10,6 +10,11 @@ Tickets are handed out exactly once each, in the order the takes reach the host.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 from typing import Any, cast
 
 import numpy as np
@@ -20,14 +25,14 @@ from collsync.runtime.mpi_windows import Windows, Words
 class SharedCounter(Windows):
     """Collective constructor over `comm`: a counter starting at 0 on rank `host`. `free()` (collective) ends it."""
 
-    def __init__(self, comm: Any, host: int = 0) -> None:
+    def __init__(self, comm: MPI.Comm, host: int = 0) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
         if not 0 <= host < comm.Get_size():
             raise ValueError(f"mpi: counter host rank {host} is not a rank of a communicator of {comm.Get_size()}")
         self.MPI, self.comm, self.host = MPI, comm, host
         hosting = comm.Get_rank() == host
-        self.win = MPI.Win.Allocate(8 if hosting else 0, 8, comm=comm)
+        self.win = MPI.Win.Allocate(8 if hosting else 0, 8, comm=cast("MPI.Intracomm", comm))  # an intracomm
         if hosting:
             np.frombuffer(cast(Any, self.win.tomemory()), dtype=np.int64)[:] = 0  # mpi4py types its buffer loosely
         comm.Barrier()  # the zeroed word is in place before anyone takes a ticket

@@ -48,7 +48,7 @@ Each rank reads every round's mean exactly once and in order, so replicas that a
 
 A margin (`margin=`, the same on every rank): without one, a round averages exactly the first `quorum` arrivals
 and drops the n - quorum others even when they are a moment behind (000_...'s backup workers, b = n - quorum). With
-one, the quorum-th arrival waits up to `margin` seconds (a number), or up to `backups.Margin`'s limit from the
+one, the quorum-th arrival waits up to `margin` seconds (a number), or up to `margin.Margin`'s limit from the
 arrivals it measured in earlier rounds ("auto"), for the others to draw tickets, then closes; every rank that drew
 a ticket before the close posts and is counted, those after it are dropped. The close is one atomic on the same
 word as the tickets, so a rank knows from its own ticket whether it counts, and membership is decided once, by the

@@ -6,6 +6,11 @@ rounds over them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -14,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from collsync.margin import Margin
+from collsync.margin import Margin, check_margin
 from collsync.runtime.mpi_partial_lost import LostRanks
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
@@ -83,14 +88,6 @@ def lagging(read: Sequence[int], round_: int, depth: int) -> list[int]:
     return [r for r, n in enumerate(read) if n < round_ - depth + 1]
 
 
-def check_margin(margin: float | str | None) -> None:
-    """None (close at the quorum), "auto" (a margin from the measured arrivals) or a positive number of seconds."""
-    if margin is None or margin == "auto":
-        return
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
-        raise ValueError(f"partial allreduce: margin={margin!r} must be None, 'auto' or a number of seconds > 0")
-
-
 def check_call(numel: int, size: int, expected_round: int, got: int, quorum: int, tensor: Flat | None) -> None:
     """Reject a call that would break the protocol, naming the value."""
     if got != expected_round:
@@ -107,7 +104,7 @@ class PartialWindows(LostRanks, Windows):
 
     def __init__(
         self,
-        comm: Any,
+        comm: MPI.Comm,
         numel: int,
         *,
         dtype: torch.dtype = torch.float32,

@@ -29,9 +29,14 @@ never read half-written.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +64,7 @@ class WindowMailbox(Windows):
 
     def __init__(
         self,
-        comm: Any,
+        comm: MPI.Comm,
         numel: int,
         *,
         server_rank: int = 0,
@@ -86,9 +91,10 @@ class WindowMailbox(Windows):
         self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
         item = np.dtype(self._np).itemsize
         host = self.is_server
-        self.win_params = MPI.Win.Allocate(numel * item if host else 0, item, comm=comm)
-        self.win_slots = MPI.Win.Allocate(self.workers * numel * item if host else 0, item, comm=comm)
-        self.win_ctrl = MPI.Win.Allocate((_HDR + _SLOT * self.workers) * 8 if host else 0, 8, comm=comm)
+        intra = cast("MPI.Intracomm", comm)  # windows need an intracommunicator: every communicator here is one
+        self.win_params = MPI.Win.Allocate(numel * item if host else 0, item, comm=intra)
+        self.win_slots = MPI.Win.Allocate(self.workers * numel * item if host else 0, item, comm=intra)
+        self.win_ctrl = MPI.Win.Allocate((_HDR + _SLOT * self.workers) * 8 if host else 0, 8, comm=intra)
         self._wins = (self.win_params, self.win_slots, self.win_ctrl)
         if host:
             for win in self._wins:
@@ -329,6 +335,8 @@ class WindowMailbox(Windows):
         return rank, None if self.hosts is None else self.hosts[rank]
 
     def close(self, timeout: float | None = None, lost: Sequence[int] = ()) -> list[Arrival]:
+        # The last arrival `recv` returned was accepted: free its slot now, or it would be taken a second time here.
+        self._release()
         left: list[Arrival] = []
         backoff = self._backoff
         backoff.reset()

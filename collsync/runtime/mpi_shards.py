@@ -17,6 +17,11 @@ Training is over for a worker once every shard has published `done`; a shard tha
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 import math
 import socket
 import time
@@ -46,7 +51,7 @@ def shard_bounds(numel: int, shards: int) -> Bounds:
     return bounds
 
 
-def open_shards(comm: Any, numel: int, servers: int, dtype: torch.dtype = torch.float32) -> list[WindowMailbox]:
+def open_shards(comm: MPI.Comm, numel: int, servers: int, dtype: torch.dtype = torch.float32) -> list[WindowMailbox]:
     """Collective over `comm`: one mailbox per shard, shard j hosted on rank j, workers = ranks servers.. ."""
     size = comm.Get_size()
     if servers >= size:
@@ -189,7 +194,7 @@ class Shards:
     of `collsync.torch` both open their shards through this class.
     """
 
-    def __init__(self, world: Any, numel: int, servers: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, world: MPI.Comm, numel: int, servers: int, dtype: torch.dtype = torch.float32) -> None:
         self.world, self.servers = world, servers
         self.bounds = shard_bounds(numel, servers)
         self.mailboxes = open_shards(world, numel, servers, dtype)
@@ -245,7 +250,7 @@ TAG_END = 77
 
 
 def gather_within(
-    comm: Any, obj: Any, timeout: float | None, first: int = 0, skip: Collection[int] = (), tag: int = TAG_END
+    comm: MPI.Comm, obj: Any, timeout: float | None, first: int = 0, skip: Collection[int] = (), tag: int = TAG_END
 ) -> list[Any] | None:
     """`comm.gather(obj, root=0)` that never waits for ever on a rank that is gone: the others send without
     waiting for rank 0 to be there, and rank 0 takes ranks 1..`first`-1 first (the servers: what they give may say

@@ -14,7 +14,7 @@ trainer's traffic), each a few int64 / float64 words:
 Messages between two ranks on one communicator never overtake each other, so the BYE / [-1] pair drains both
 directions at the end: the scheduler has every abort to trace, and no re-sync is left unreceived.
 
-`collsync.torch` runs the same two classes: its server rank 0 serves through `collsync.runs.shards.ShardRun`, as
+`collsync.torch` runs the same two classes: its server rank 0 serves through `collsync.serving.ShardEngine`, as
 collsync-train's does, and polls a `SchedulerService` from its `run_server` loop, telling every worker its counts
 at the end (`close(tell=True)`); each worker's `DistributedOptimizer` holds a `Speculator` whose safe points are
 hooks on the user's model (`bye()` when the worker leaves, `drain(told=True)` when its optimizer closes).
@@ -33,6 +33,11 @@ the one the gradient is computed on: restarting on the same parameters would gai
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 import time
 from typing import Any
@@ -58,7 +63,7 @@ class SchedulerService:
 
     def __init__(
         self,
-        comm: Any,
+        comm: MPI.Comm,
         speculation: Speculation,
         workers: list[int],
         scale: float,
@@ -167,7 +172,7 @@ class Speculator:
     `self.computing`, the version of the gradient under way); `clock_version()` gives (clock, version) of it.
     """
 
-    def __init__(self, comm: Any, worker: int, scheduler_rank: int, scale: float, peek: Any) -> None:
+    def __init__(self, comm: MPI.Comm, worker: int, scheduler_rank: int, scale: float, peek: Any) -> None:
         from mpi4py import MPI
 
         self.MPI, self.comm, self.worker, self.rank0, self.scale = MPI, comm, worker, scheduler_rank, scale

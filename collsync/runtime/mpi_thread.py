@@ -4,6 +4,11 @@ with the backward pass (`mpi_buckets.BucketReducer` posts its gradient buckets t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 import os
 import threading
 import time
@@ -38,7 +43,7 @@ class CommThread:
     Construction and `close()` are collective over `comm`.
     """
 
-    def __init__(self, comm: Any, *, blocking: bool | None = None, name: str = "collsync-allreduce") -> None:
+    def __init__(self, comm: MPI.Comm, *, blocking: bool | None = None, name: str = "collsync-allreduce") -> None:
         from mpi4py import MPI  # lazily: collsync's modules import without an MPI library
 
         if not threads_supported():

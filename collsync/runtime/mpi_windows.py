@@ -10,6 +10,11 @@ half-written. mpi4py is imported lazily, inside the constructors, so that collsy
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 import time
 from typing import Any, TypeVar
 
@@ -27,7 +32,7 @@ POLL_CAP_OWN_CORE = 50e-6
 POLL_CAP_SHARED_CORE = 1e-3
 
 
-def poll_cap(comm: Any) -> float:
+def poll_cap(comm: MPI.Comm) -> float:
     """The pause cap for ranks of `comm` polling one-sided windows (collective: counts the ranks on the node)."""
     return POLL_CAP_OWN_CORE if own_cores(comm) else POLL_CAP_SHARED_CORE
 
@@ -55,7 +60,7 @@ _W = TypeVar("_W", bound="Windows")
 class Windows:
     """Windows opened in one `Lock_all` epoch each (`self._wins`), freed together: `free()` or a `with` block."""
 
-    comm: Any
+    comm: MPI.Comm
     _wins: tuple[Any, ...]
 
     def free(self) -> None:

@@ -9,13 +9,16 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from collsync.ending import end, stop_now
 from collsync.runtime.spec import SIZE_VARS, launched_under_mpi
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = [
     "launcher_size",
@@ -60,7 +63,7 @@ def world() -> Any:
     return comm
 
 
-def rank_prefix(comm: Any) -> str:
+def rank_prefix(comm: MPI.Comm) -> str:
     """'rank 3 of 8 on node17': the attribution every distributed error message starts with."""
     return f"rank {comm.Get_rank()} of {comm.Get_size()} on {socket.gethostname()}"
 
@@ -81,7 +84,7 @@ ROLL_WINDOW_S = 30.0
 _HOSTS: dict[int, str] = {}
 
 
-def host_of(comm: Any, rank: int) -> str:
+def host_of(comm: MPI.Comm, rank: int) -> str:
     """The host of `comm`'s rank `rank` as `hello` heard it ('?' before `hello`, or for a rank that never said)."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
@@ -95,7 +98,7 @@ def _test_until(requests: list[Any], end: float) -> None:
         time.sleep(0.005)
 
 
-def roll_call(comm: Any, window: float) -> list[int]:
+def roll_call(comm: MPI.Comm, window: float) -> list[int]:
     """After a bounded wait on `comm` timed out here: the ranks that are not waiting too. Each rank tells rank 0
     that it is alive (a point-to-point message, which no stopped rank can block); rank 0 collects for `window`
     seconds and answers each with the ranks that never told it; a rank that gets no answer names rank 0."""
@@ -128,7 +131,7 @@ def roll_call(comm: Any, window: float) -> list[int]:
     return [r for r in range(size) if not heard[r]]
 
 
-def lost(comm: Any, message: str, deadline: float | None) -> RankLost:
+def lost(comm: MPI.Comm, message: str, deadline: float | None) -> RankLost:
     """`message` (what timed out on this rank, within `deadline`) completed by the roll call's verdict: the ranks
     that did not arrive, by rank and host of `comm`."""
     window = ROLL_WINDOW_S if deadline is None else min(ROLL_WINDOW_S, max(1.0, deadline))
@@ -158,7 +161,7 @@ def _poll(request: Any, end: float | None, startup: bool = True) -> bool:
     return True
 
 
-def gate(comm: Any, deadline: float | None, what: str, startup: bool = True) -> None:
+def gate(comm: MPI.Comm, deadline: float | None, what: str, startup: bool = True) -> None:
     """Return once every rank of `comm` reached this point (an `Ibarrier`), or raise `RankLost` naming those that
     did not within `deadline` seconds (None: wait for ever). Placed before a collective set-up that cannot be
     bounded itself (`Split_type`, `Dup`, window creation): once every rank is here, it completes. `startup`: a
@@ -167,7 +170,7 @@ def gate(comm: Any, deadline: float | None, what: str, startup: bool = True) -> 
         raise lost(comm, f"{what} did not complete within deadline={deadline:g}s", deadline)
 
 
-def hello(comm: Any, deadline: float | None) -> list[str]:
+def hello(comm: MPI.Comm, deadline: float | None) -> list[str]:
     """The start-up exchange (collective over COMM_WORLD's ranks in `comm`): each rank's host name, kept for the
     messages that name a lost rank later; bounded by `deadline` (`RankLost`: which ranks did not arrive)."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
@@ -201,7 +204,7 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
-def node_size(comm: Any) -> int:
+def node_size(comm: MPI.Comm) -> int:
     """How many ranks of `comm` share this rank's node (collective)."""
     return node_layout(comm)[0]
 
@@ -222,7 +225,7 @@ def machine() -> str:
         return socket.gethostname()
 
 
-def node_layout(comm: Any, deadline: float | None = None) -> tuple[int, int]:
+def node_layout(comm: MPI.Comm, deadline: float | None = None) -> tuple[int, int]:
     """(ranks of `comm` on this machine, cores those ranks may run on together) (collective). The cores are the
     union of the ranks' affinity masks: under `srun --cpu-bind=cores` each rank's own mask is one core, which says
     nothing about whether the machine's ranks share cores; unbound ranks each see the whole machine. The machine is
@@ -238,13 +241,13 @@ def node_layout(comm: Any, deadline: float | None = None) -> tuple[int, int]:
     return len(masks), len(set().union(*masks))
 
 
-def spans_hosts(comm: Any) -> bool:
+def spans_hosts(comm: MPI.Comm) -> bool:
     """Whether the ranks of `comm` run on more than one host (by host name: MPI reaches the others over the
     network, not through shared memory) (collective)."""
     return len(set(comm.allgather(socket.gethostname()))) > 1
 
 
-def own_cores(comm: Any) -> bool:
+def own_cores(comm: MPI.Comm) -> bool:
     """Whether every rank of `comm` on this node can have a core of its own (collective): no more ranks here than
     cores they may run on together."""
     ranks, cores = node_layout(comm)
@@ -257,7 +260,7 @@ def threads_per_rank(own: int, total: int, node: int) -> int:
     return max(1, min(own, total // max(1, node)))
 
 
-def set_threads(comm: Any, node: int | None = None) -> int:
+def set_threads(comm: MPI.Comm, node: int | None = None) -> int:
     """Give each rank an equal share of the node's cores for torch's intra-op threads (no oversubscription).
     `node`: the ranks on this node, if the caller counted them already (`node_size`, collective)."""
     threads = threads_per_rank(len(affinity()), os.cpu_count() or 1, node_size(comm) if node is None else node)
@@ -273,7 +276,7 @@ def open_mpi() -> bool:
 
 
 @contextlib.contextmanager
-def abort_on_error(comm: Any, user_errors: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+def abort_on_error(comm: MPI.Comm, user_errors: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """An exception on one rank prints its attributed message and aborts the world, which would otherwise hang."""
     try:
         yield

@@ -10,6 +10,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from collsync.margin import check_margin
+
 # The launchers' environment variables, listed here only (`collsync.cli` and `mpi_world.launcher_size` read them too).
 # The world size: MPICH's Hydra and `srun --mpi=pmi2` (PMI), Open MPI's mpirun.
 SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -26,7 +28,7 @@ _AWAIT_ABORT_S = 10.0
 @dataclass(frozen=True)
 class RuntimeSpec:
     """`kind`: sim | mpi | allreduce | partial; `workers`: simulated workers (sim only); `servers`: server ranks
-    (mpi); `depth`: rounds of means a lagging rank may still read (partial)."""
+    (mpi); `depth`, `margin`, `catch_up`: serverless backup's (partial; see `partial`)."""
 
     kind: str
     workers: int = 8
@@ -35,12 +37,17 @@ class RuntimeSpec:
     time_scale: float = 0.01
     depth: int = 8
     bucket_mib: float = 4.0
+    margin: float | str | None = "auto"
+    catch_up: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("sim", "mpi", "allreduce", "partial"):
             raise ValueError(f"runtime: kind={self.kind!r} must be one of sim, mpi, allreduce, partial")
         if self.depth < 1:
             raise ValueError(f"runtime: depth={self.depth} must be >= 1")
+        check_margin(self.margin)
+        if self.catch_up not in (None, True, False):
+            raise ValueError(f"runtime: catch_up={self.catch_up!r} must be true, false or null (decide by itself)")
         if self.bucket_mib < 0:
             raise ValueError(f"runtime: bucket_mib={self.bucket_mib} must be >= 0 (0: no buckets)")
         if self.workers < 1:
@@ -136,14 +143,34 @@ def allreduce(bucket_mib: float = 4.0, inject_stragglers: bool = False, time_sca
     return RuntimeSpec("allreduce", inject_stragglers=inject_stragglers, time_scale=time_scale, bucket_mib=bucket_mib)
 
 
-def partial(depth: int = 8, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
+def partial(
+    depth: int = 8,
+    margin: float | str | None = "auto",
+    catch_up: bool | None = None,
+    inject_stragglers: bool = False,
+    time_scale: float = 0.01,
+) -> RuntimeSpec:
     """Serverless backup workers over a k-of-n partial allreduce on MPI windows (`sync=backup` or `sync=bsp`):
-    every rank is a worker and holds a replica of the server; each round averages the first N gradients.
+    every rank is a worker and holds a replica of the server; each round averages the first N gradients. The same
+    keys, defaults and meaning as `collsync.torch`'s serverless backup (`sync_config(depth=, margin=, catch_up=)`,
+    one driver: `collsync.rounds`):
 
     `depth`: a rank up to `depth` rounds behind reads the means it missed; further behind, the others wait for it
-    (with `sync.deadline`, for at most that long before the run fails naming it).
+    (with `sync.deadline`, for at most that long before it is lost: the others go on while at most `backups` are).
+    `margin`: "auto" waits after a round's N-th gradient for the others as long as the measured arrivals say
+    nobody straggles (`margin.Margin`); a number waits that many seconds; null takes exactly the first N.
+    `catch_up`: a rank that comes after its round completed applies every round completed meanwhile and skips their
+    batches (null: on; collsync.torch turns it off by itself under a user's per-step LR scheduler); false: it
+    computes its own next batch for the next round.
     """
-    return RuntimeSpec("partial", inject_stragglers=inject_stragglers, time_scale=time_scale, depth=depth)
+    return RuntimeSpec(
+        "partial",
+        inject_stragglers=inject_stragglers,
+        time_scale=time_scale,
+        depth=depth,
+        margin=margin,
+        catch_up=catch_up,
+    )
 
 
 def auto(workers: int = 8, servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:

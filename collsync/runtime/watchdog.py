@@ -26,6 +26,8 @@ from collsync.ending import end
 from collsync.runtime.mpi_windows import Backoff
 
 if TYPE_CHECKING:
+    from mpi4py import MPI
+
     from collsync.runtime.mpi_rma import WindowMailbox
 
 # How often the thread looks: the bound is seconds to minutes; a second late is nothing next to it.
@@ -97,7 +99,7 @@ TAG_VERDICT = 79
 _TOLD: list[Any] = []  # rank 0's sends of the word (tell_the_end)
 
 
-def agree_on_the_end(comm: Any, blocks: list[Any], lost: bool, timeout: float | None, before: float = 0.0) -> bool:
+def agree_on_the_end(comm: MPI.Comm, blocks: list[Any], lost: bool, timeout: float | None, before: float = 0.0) -> bool:
     """After the final gather (`blocks`: rank 0's, None for a rank that did not answer; empty elsewhere), whether a
     rank is gone: on rank 0, one lost (`lost`) or silent at the gather, told to every rank that answered
     (`tell_the_end`); another rank hears it, and takes no word within `before` + 3 x `timeout` (rank 0 may first
@@ -116,7 +118,7 @@ def agree_on_the_end(comm: Any, blocks: list[Any], lost: bool, timeout: float | 
     return bool(hear_the_end(comm, None if timeout is None else before + 3 * timeout))
 
 
-def tell_the_end(comm: Any, gone: bool, answered: Collection[int]) -> None:
+def tell_the_end(comm: MPI.Comm, gone: bool, answered: Collection[int]) -> None:
     """Rank 0, after the final gather: tell each rank in `answered` whether a rank is gone. Never a collective,
     and never a message to a rank that did not answer: between hosts a message to a rank cut off fails in MPI
     (MPICH's UCX: once the connection attempt fails, the error aborts the job, the run folder unwritten)."""
@@ -127,7 +129,7 @@ def tell_the_end(comm: Any, gone: bool, answered: Collection[int]) -> None:
             _TOLD.append(comm.isend(gone, dest=r, tag=TAG_VERDICT))
 
 
-def hear_the_end(comm: Any, timeout: float | None) -> bool | None:
+def hear_the_end(comm: MPI.Comm, timeout: float | None) -> bool | None:
     """A rank other than 0, after its part of the final gather: rank 0's word on whether a rank is gone, or None
     if none came within `timeout` seconds (rank 0 itself lost)."""
     request = comm.irecv(source=0, tag=TAG_VERDICT)

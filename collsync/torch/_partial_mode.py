@@ -1,7 +1,7 @@
 """`backup` without servers (000_..., Chen et al., Alg. 3-4): each step t is a k-of-n partial allreduce
 (`runtime.mpi_partial.PartialAllreduce`). The first n - b gradients of round t to arrive are averaged, and, with
 the default `margin="auto"`, every other one that comes within the margin the measured arrivals give
-(`backups.Margin`: with nobody straggling, every round takes all n); every replica applies that same mean with the
+(`margin.Margin`: with nobody straggling, every round takes all n); every replica applies that same mean with the
 user's optimizer, and a gradient that came later is dropped and counted (`dropped`). `margin=None` takes exactly
 n - b every round (the paper's fixed b). A worker whose round is already complete reads the mean without
 contributing, and then catches up (`catch_up`): it reads and applies every further round the others completed
@@ -12,8 +12,11 @@ at the same round, but a persistently slow worker no longer sets the pace: round
 the gradients that came. Catch-up needs the sampler (given its DataLoader's `batch_size`) and no closure; by default
 it is off while a learning-rate scheduler is attached to the optimizer, since a worker that skips batches also skips
 a per-step schedule's steps (`catch_up=True` where the schedule steps per epoch). A worker silent for the deadline is
-lost: the others go on without it while at most b are
-(`runtime.mpi_partial_lost`), `lost` names it after `close()`, and the process exits 0 without `MPI_Finalize`.
+lost: the others go on without it while at most b are (`runtime.mpi_partial_lost`), `lost` names it after
+`close()`, and the process exits 0 without `MPI_Finalize`.
+
+The rounds themselves are `collsync.rounds.BackupRounds`, the driver `collsync-train runtime=partial` runs too;
+this mode adds only how a mean is applied (the user's optimizer) and how work is skipped (the sampler).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from typing import Any
 
 import torch
 
+from collsync import ending
 from collsync.loops import check_policy
+from collsync.rounds import BackupRounds, tolerated
+from collsync.runtime import PartialResult
 from collsync.runtime.mpi_buckets import BucketReducer
 from collsync.runtime.mpi_coll import shutdown, threads_supported
 from collsync.runtime.mpi_partial import PartialAllreduce
@@ -53,8 +59,6 @@ class PartialMode(Mode):
         self.passes = passes  # batches (backward passes) a step, so a round skipped is that many batches
         self.optimizer = optimizer  # the wrapped optimizer: whether a learning-rate scheduler is attached
         self.catch_up = config.catch_up
-        self.caught_up = 0  # rounds this worker applied without computing for them (their batches skipped)
-        self._late = False  # the last round was complete before this worker came: it was dropped
         self._warned = False
         policy = config.policy
         check_policy(policy)
@@ -62,11 +66,11 @@ class PartialMode(Mode):
         policy.check(workers)
         self.quorum = policy.quorum_for(workers)
         self.flat = one_dtype(params, policy.name)
-        self.round = 0
-        self.dropped = 0
         self._lost: list[dict[str, Any]] = []
         self.reducer: BucketReducer | None = None
         self.pa: PartialAllreduce | None = None
+        self.rounds: BackupRounds | None = None
+        self._reduced = 0  # rounds of b = 0 (bsp's allreduces)
         if self.quorum == workers > 1 and threads_supported():
             # b = 0: nobody is ever dropped, so this is bsp; it takes bsp's path (buckets reduced while backward
             # runs) rather than n window round trips a step.
@@ -87,30 +91,35 @@ class PartialMode(Mode):
             depth=config.depth,
             timeout=policy.deadline,
             margin=config.margin,
-            # Lost ranks the others go on without: what the policy tolerates, while the quorum can still come.
-            tolerate=min(
-                workers - self.quorum, max((k for k in range(workers) if policy.tolerates(k, workers)), default=0)
-            ),
+            tolerate=tolerated(policy, workers),
         )
+        self.rounds = BackupRounds(self.pa, self.quorum, catch_up=config.catch_up is not False)
+
+    @property
+    def round(self) -> int:
+        """The rounds this replica applied (the partial allreduce's, or the allreduces of b = 0)."""
+        return self.rounds.round if self.rounds is not None else self._reduced
+
+    @property
+    def dropped(self) -> int:  # type: ignore[override]
+        return self.rounds.dropped if self.rounds is not None else 0
+
+    @property
+    def caught_up(self) -> int:  # type: ignore[override]
+        return self.rounds.caught_up if self.rounds is not None else 0
 
     def synchronize(self) -> None:
         if self.reducer is not None:
             self.reducer.wait()
-            self.round += 1
+            self._reduced += 1
             return
-        assert self.pa is not None  # one of the two is built in __init__
-        result = self.pa.try_read(self.quorum, self.round)
-        self._late = result is not None
-        if result is None:
-            result = self.pa(self.flat.grads(), self.quorum, self.round)
-        self.dropped += self.st.comm.Get_rank() not in result.contributors
-        self.round += 1
-        self.flat.set_grads(result.mean)
+        assert self.rounds is not None  # one of the two is built in __init__
+        self.flat.set_grads(self.rounds.take(self.flat.grads).mean)
 
     def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
         if sync:
             self.synchronize()
-            if self._late and closure is None:
+            if closure is None:
                 self._catch_up(base)
         return base(closure)
 
@@ -118,7 +127,8 @@ class PartialMode(Mode):
         """This worker came after its round completed: apply every further round already complete (each with the
         user's optimizer, as every replica applies it), at most as many as its sampler can still skip (a round is
         `passes` batches), and skip their batches. The last mean read is left in the gradients for `step()`."""
-        if self.pa is None or self.catch_up is False:
+        rounds = self.rounds
+        if rounds is None or not rounds.late or self.catch_up is False:
             return
         sampler = skipper()
         if sampler is None:
@@ -133,18 +143,14 @@ class PartialMode(Mode):
                     stacklevel=4,
                 )
             return
-        room, caught = sampler.skippable() // self.passes, 0
-        while caught < room:
-            result = self.pa.try_read(self.quorum, self.round)
-            if result is None:
-                break
+
+        def apply(result: PartialResult) -> None:
             base(None)  # the round read before this one
             self.flat.set_grads(result.mean)
-            self.round += 1
-            caught += 1
+
+        caught = rounds.catch_up(sampler.skippable() // self.passes, apply)
         if caught:
             sampler.skip(caught * self.passes)
-            self.caught_up += caught
 
     def join(self) -> int:
         raise NotImplementedError(
@@ -165,7 +171,7 @@ class PartialMode(Mode):
             ranks = sorted(pa.lost)
             world = self.st.comm.Get_group().Translate_ranks(ranks, self.st.world.Get_group())  # local: no message
             self._lost = [
-                {"rank": r, "world_rank": w, "host": pa.host_of(r), "last_update": pa.lost[r] - 1}
+                ending.lost_rank(r, pa.host_of(r), pa.lost[r] - 1, world_rank=w)
                 for r, w in zip(ranks, world, strict=True)
             ]
             self.st.lost = self._lost

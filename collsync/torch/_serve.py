@@ -8,8 +8,9 @@ collectively by every rank of the world (`collsync.runtime.mpi_shards.open_shard
 `collsync.loops.run_server` on rank j exactly as `collsync-train runtime=mpi` serves it. At the workers'
 `shutdown()`, worker 0 sends `None`: the server ranks leave MPI and exit with status 0.
 
-A server rank serves through `collsync.runs.shards.ShardRun`, the set-up `collsync-train runtime=mpi` runs its
-server ranks through (without its evaluation, checkpoint files and trace).
+A server rank serves through `collsync.serving.ShardEngine`, the engine `collsync-train runtime=mpi` runs its
+server ranks through (that front adds its evaluation, checkpoint files and trace through the engine's hooks); it
+loads nothing of the trainer.
 
 SpecSync (004_..., Alg. 2): with a policy that speculates, every rank of the world `Dup`s it right after the shards
 open (the messages' own communicator, as `collsync-train` has), and server rank 0 runs the scheduler inside its
@@ -35,14 +36,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from collsync.ending import end
+from collsync import ending
 from collsync.policy import SyncPolicy
 from collsync.rules import combine
-from collsync.runs.shards import Serving, ShardRun
 from collsync.runtime.mpi_rma import Backoff
 from collsync.runtime.mpi_world import abort_on_error, open_mpi
 from collsync.server import Server
-from collsync.torch.config import build, server_penalty
+from collsync.serving import Serving, ShardEngine
+from collsync.torch.config import build
+from collsync.torch.server_rule import server_penalty
 from collsync.trace import Trace
 
 if TYPE_CHECKING:
@@ -96,8 +98,8 @@ def serve_forever(st: World) -> None:
         if st.world.Get_rank() == 0 and not open_mpi():
             live = [st.servers + w for w in range(last.workers) if w not in lost]
             hear_byes(st.world, live)
-            end(0, comm=st.world)
-        end(0)
+            ending.end(0, comm=st.world)
+        ending.end(0)
     sys.exit(0)
 
 
@@ -136,7 +138,7 @@ def serve(world: MPI.Comm, servers: int, job: Job) -> set[int]:
         until_left=True,
         state=job.state,
     )
-    run = ShardRun(world, serving)
+    run = ShardEngine(world, serving)
     run.open()
     run.serve()
     assert run.server is not None and run.shards is not None
@@ -152,10 +154,7 @@ def tell_lost(world: MPI.Comm, servers: int, server: Server, locate: Callable[[i
     `DistributedOptimizer.lost` lists them: worker rank, world rank, host, the last update it contributed to."""
     if world.Get_rank() != 0:
         return
-    lost = [
-        {"rank": w, "world_rank": servers + w, "host": locate(w)[1], "last_update": server.contributed[w]}
-        for w in server.lost
-    ]
+    lost = [ending.lost_rank(w, locate(w)[1], server.contributed[w], world_rank=servers + w) for w in server.lost]
     # Every worker is told (one lost only as slow may still come to close); only the live ones are waited on.
     requests = [world.isend(lost, dest=servers + w, tag=TAG_LOST) for w in range(server.workers)]
     for w, request in enumerate(requests):

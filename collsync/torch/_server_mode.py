@@ -3,15 +3,15 @@ servers): a worker of the shards on MPI windows (see `collsync.torch.optimizer`)
 
 `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
 applied on the servers by collsync's rule made from the user's optimizer's class and hyperparameters
-(`config.server_rule`, its lr rescaled by `config.server_lr`, a momentum SGD made DANA where updates take one
-gradient each, `config.server_momentum`) plus the penalty; the user's optimizer's own state is not used.
+(`server_rule.server_rule`, its lr rescaled by `server_rule.server_lr`, a momentum SGD made DANA where updates take one
+gradient each, `server_rule.server_momentum`) plus the penalty; the user's optimizer's own state is not used.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,8 +23,12 @@ from collsync.runtime.mpi_world import open_mpi
 from collsync.runtime.watchdog import worker_watchdog
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._world import World, shutdown
-from collsync.torch.config import SyncConfig, rule_for
+from collsync.torch.config import SyncConfig
+from collsync.torch.server_rule import rule_for
 from collsync.torch.speculative import Speculating
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 class ServerMode(Mode):
@@ -192,7 +196,7 @@ def _shard_states(saved: dict[str, Any] | None, servers: int, name: str) -> list
 _leaving = False  # exit_without_finalize was called
 
 
-def exit_without_finalize(world: Any = None, deadline: float | None = None) -> None:
+def exit_without_finalize(world: MPI.Comm | None = None, deadline: float | None = None) -> None:
     """After a worker was lost, end this process at exit without `MPI_Finalize`: MPICH's waits on every rank of
     the world, the lost one included, for ever. The script runs to its end as usual; then `shutdown()` (the server
     ranks are released), a word to server rank 0 that this script ended (`_serve.say_bye`), and the process exits

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from collsync import ending
 from collsync.policy import DEADLINE
@@ -28,6 +28,9 @@ from collsync.runtime.mpi_world import (
 )
 from collsync.torch.config import SyncConfig, sync_config
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 _SERVERS_ENV = "COLLSYNC_SERVERS"
 
 
@@ -35,8 +38,8 @@ _SERVERS_ENV = "COLLSYNC_SERVERS"
 class World:
     """What `init()` set up. `comm` spans the workers (the script's world); `world` is all of MPI's ranks."""
 
-    world: Any
-    comm: Any
+    world: MPI.Intracomm
+    comm: MPI.Intracomm
     servers: int
     local: Any
     cross: Any
@@ -118,7 +121,7 @@ def init(
     oversubscribed = node > cores
     rank = world.Get_rank()
     is_server = rank < servers
-    comm_w = world.Split(0 if not is_server else 1, rank)
+    comm_w = cast("MPI.Intracomm", world.Split(0 if not is_server else 1, rank))  # the stubs say Comm
     role = "server" if is_server else "worker"
     if is_server and serve:
         # Lazily: the server side (the shard run, and the Hydra it builds rules with) loads on server ranks only.
@@ -200,9 +203,10 @@ def shutdown() -> None:
     try:
         for close in reversed(st.cleanups):
             close()
-        if not st.servers and not st.lost:
+        if not st.servers and not st.lost and not ending.leaving():
             # Serverless workers leave together, within the deadline: MPI_Finalize at exit would otherwise wait
-            # for a lost rank for ever. (Server modes' workers leave at their own times; their servers see them go.)
+            # for a lost rank for ever (a process leaving without it, `ending.leaving`, does not). Server modes'
+            # workers leave at their own times; their servers see them go.
             leave_together(st.comm, st.deadline)
     except RankLost as exc:
         # A rank lost at the end: the world cannot be left in order (MPI_Finalize would wait for it too).

@@ -18,8 +18,8 @@ What `step()` does depends on the mode, one module per mode family behind the `_
   parameter server on MPI windows.
   `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
   applied on the servers by collsync's rule made from your optimizer's class and hyperparameters
-  (`config.server_rule`; Horovod's lr x size() rescaled to the gradients one update averages, `config.server_lr`)
-  plus the penalty; your optimizer's own state is not used (it stays empty) and a change of
+  (`server_rule.server_rule`; Horovod's lr x size() rescaled to the gradients one update averages,
+  `server_rule.server_lr`) plus the penalty; your optimizer's own state is not used (it stays empty) and a change of
   its learning rate after construction does not reach the servers (warned once). Training ends for everyone when
   the workers leave (`shutdown()`, at exit, or `join()`): under a round policy (BSP, backup, SSP, PSP) as soon as
   one worker leaves, since its rounds can no longer complete; the other workers' `step()` then returns without

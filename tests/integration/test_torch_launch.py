@@ -129,7 +129,7 @@ def accuracy(stdout: str) -> float:
 @pytest.fixture(scope="module")
 def horovod_style() -> Callable[[str], str]:
     """The example as a Horovod script plus `init(sync=...)`: lr x size() and momentum 0.9 in every mode (the
-    servers rescale the lr, config.server_lr), 4 ranks, 8 epochs; each mode's output, run once (the every-mode test
+    servers rescale the lr, server_rule.server_lr), 4 ranks, 8 epochs; each mode's output, run once (the every-mode test
     and the one-keyword comparison share these launches)."""
     runs: dict[str, str] = {}
 
@@ -156,7 +156,7 @@ def test_example_trains_digits_in_every_mode(horovod_style, sync):
 @pytest.mark.parametrize("sync", ["async", "psp", "backup", "ssp", "specsync"])
 def test_horovod_script_with_one_keyword_trains_as_bsp(horovod_style, sync):
     """Issue 24: Horovod's lr x size() and momentum 0.9 left in, async and specsync (one gradient an update: DANA,
-    config.server_momentum), ssp (rounds up to 1 stale: the look-ahead momentum), psp and backup train as bsp does.
+    server_rule.server_momentum), ssp (rounds up to 1 stale: the look-ahead momentum), psp and backup train as bsp does.
 
     Without the servers' lr rule async ended 25 points below bsp (0.69-0.71). One run of each is compared, and one
     async run's final accuracy varies with the arrival order by more than a point: the bound here is 3 points; the

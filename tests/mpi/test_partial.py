@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.loops import run_allreduce, run_partial
+from collsync.loops import run_allreduce
 from collsync.policy import backup, bsp
+from collsync.rounds import run_partial
 from collsync.rules import sgd
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_partial import PartialAllreduce, PartialResult

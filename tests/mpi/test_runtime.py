@@ -19,7 +19,7 @@ from collsync.runtime.mpi_rma import WindowMailbox
 from collsync.runtime.mpi_world import check_world_size, launcher_size, machine, node_layout, own_cores, world
 from collsync.server import Server, replay
 from collsync.trace import Trace
-from collsync.types import Stamp
+from collsync.types import Arrival, Stamp
 
 
 def test_world_matches_the_launcher(comm):
@@ -173,3 +173,26 @@ def test_close_names_a_worker_that_never_stops(comm):
     if box.is_server:
         assert raised is not None, "close() returned although worker 0 never stopped"
         assert re.search(r"worker 0 \(rank \d+\) did not stop within deadline=0.2s", str(raised)), str(raised)
+
+
+def test_close_does_not_take_again_what_recv_returned(comm):
+    """The server frees a slot it read at its next `recv`; `close()` frees the last one first, so a gradient the
+    server already accepted is not handed back a second time (it was traced twice: pushed 204 for 203 sent)."""
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    with WindowMailbox(comm, 4, dtype=torch.float64) as box:
+        if box.is_server:
+            got = None
+            while got is None:
+                got = box.recv(timeout=1.0)
+            comm.recv(source=1)  # worker 0 has left
+            box.publish(torch.zeros(4, dtype=torch.float64), Stamp(1, done=True))
+            left = box.close(timeout=60)
+            assert got.worker == 0 and [a.worker for a in left if a.worker == 0] == []
+        else:
+            if box.worker == 0:
+                box.send(Arrival(0, 0, torch.ones(4, dtype=torch.float64), 0))
+            box.leave()
+            if box.worker == 0:
+                comm.send(None, dest=0)
+        comm.Barrier()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.loops import Worker, run_allreduce, run_partial, run_server, run_worker
+from collsync.loops import Worker, run_allreduce, run_server, run_worker
 from collsync.policy import SyncPolicy, asynchronous, bsp, ssp
+from collsync.rounds import run_partial
 from collsync.rules import momentum
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_partial import PartialAllreduce

@@ -10,7 +10,7 @@ from torch import nn
 
 import collsync.torch as hvd
 from collsync.policy import bsp
-from collsync.torch.config import rule_for, server_lr, server_momentum
+from collsync.torch.server_rule import rule_for, server_lr, server_momentum
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -160,7 +160,7 @@ def test_options_beside_a_mode_merge_and_conflicts_are_refused_by_name():
 )
 def test_server_lr_rescales_horovods_lr_to_the_gradients_an_update_averages(sync, options, factor):
     """A script's lr x size() is for a mean of size() gradients; the server averages g and reads up to s rounds
-    stale: lr x g / size() / (1 + s) (config.server_lr), for 4 workers here."""
+    stale: lr x g / size() / (1 + s) (server_rule.server_lr), for 4 workers here."""
     policy = hvd.sync_config(sync, **options).policy
     rule = {"_target_": "collsync.rules.momentum", "lr": 0.08, "momentum": 0.9, "weight_decay": 0.0}
     assert server_lr(rule, policy, 4) == {**rule, "lr": 0.08 * factor}
@@ -200,7 +200,7 @@ def test_ssp_through_collsync_torch_bounds_the_lead_at_one_unless_told():
 def test_server_momentum_is_dana_where_an_update_is_one_gradient(sync, options, dana):
     """The torch optimizer's momentum becomes DANA (per-worker momentum, a look-ahead read) with its lr, gamma and
     weight decay where the servers apply one gradient at a time; elsewhere, and for a rule without momentum, the
-    rule is unchanged (config.server_momentum)."""
+    rule is unchanged (server_rule.server_momentum)."""
     policy = hvd.sync_config(sync, **options).policy
     momentum = {"_target_": "collsync.rules.momentum", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4}
     nesterov = {**momentum, "_target_": "collsync.rules.nesterov"}
@@ -226,7 +226,8 @@ def test_server_momentum_looks_ahead_over_ssps_stale_rounds(sync, options):
 
 def test_rule_for_a_torch_optimizer_rescales_makes_dana_and_refuses_bfasgd_by_name():
     """The servers' rule from a Horovod script's SGD (lr x size(), momentum 0.9) at 4 workers: async's is DANA at
-    lr / 4; a named rule is taken as it is; B-FASGD without one is refused saying what to pass (config.rule_for)."""
+    lr / 4; a named rule is taken as it is; B-FASGD without one is refused saying what to pass
+    (server_rule.rule_for)."""
     sgd = torch.optim.SGD(net().parameters(), lr=0.08, momentum=0.9)
     rule = rule_for(sgd, hvd.sync_config("async"), 4)
     assert rule == {"_target_": "collsync.rules.dana", "lr": 0.02, "momentum": 0.9, "weight_decay": 0.0}

@@ -39,8 +39,8 @@ def main() -> None:
     )
     if saved is not None:
         # The workers' models start where the servers were when they were saved: async's momentum is DANA's
-        # (config.server_momentum), whose workers read the look-ahead theta - eta gamma sum_j v_j of the saved state;
-        # ssp's the look-ahead over its stale rounds.
+        # (server_rule.server_momentum), whose workers read the look-ahead theta - eta gamma sum_j v_j of the saved
+        # state; ssp's the look-ahead over its stale rounds.
         start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         shard = saved["shards"][0]
         want = shard["params"]

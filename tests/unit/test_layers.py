@@ -133,3 +133,12 @@ def test_the_transport_imports_only_what_lies_below_it() -> None:
         )
     }
     assert up == {}, f"runtime/ reaches up: {up}"
+
+
+def test_a_server_rank_of_a_script_loads_nothing_of_the_trainer() -> None:
+    """`collsync.torch`'s server ranks serve through the shard engine (`collsync.serving`) that `collsync-train`
+    extends: none of the trainer's modules (its run shapes, data, evaluation, run folder, config schema) loads."""
+    loaded = loaded_after("import collsync.torch\nimport collsync.torch._serve\n")
+    assert "collsync.serving" in loaded  # the check below is not vacuous
+    trainer = ("collsync.runs", "collsync.data", "collsync.evaluate", "collsync.rundir", "collsync.schema")
+    assert [m for m in loaded if m.startswith(trainer)] == []

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.loops import apply_result, check_policy, run_partial
+from collsync.loops import check_policy
 from collsync.margin import Margin
 from collsync.policy import asynchronous, backup, bsp, ssp
+from collsync.rounds import BackupRounds, apply_result, run_partial, tolerated
 from collsync.rules import sgd
 from collsync.runtime.mpi_partial import PartialResult
 from collsync.runtime.mpi_partial_windows import (
@@ -218,3 +219,50 @@ def test_margin_stops_waiting_for_ranks_later_than_a_step():
     assert margin.limit(0.03, 3) == pytest.approx(margin.estimate)  # no step known: as before, the estimate
     assert margin.limit(0.03, 3, step=0.012) == pytest.approx(0.01)  # 20 ms late against a 12 ms step: T / N
     assert margin.limit(0.03, 3, step=0.05) == pytest.approx(margin.estimate)  # within a step: waited for
+
+
+class Behind(Scripted):
+    """Rank 0 comes late: rounds 0..late-1 completed without it (try_read answers them); from then on it is in time."""
+
+    def __init__(self, size: int, late: int) -> None:
+        super().__init__(size)
+        self.late = late
+
+    def try_read(self, quorum: int, round: int) -> PartialResult | None:
+        return self._result(quorum, round, late=True) if round < self.late else None
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_a_late_rank_catches_up_and_skips_the_batches_it_missed(catch_up):
+    """collsync-train's rounds (`run_partial`) as collsync.torch's: with catch-up, a rank late for round 0 applies
+    the rounds completed meanwhile and then computes the batch of the round it comes to (3), as a rank never late
+    would; without, it computes its own next batch (0) for round 3."""
+    server = Server(torch.zeros(3), sgd(lr=1.0), backup(1), 4, steps=6)
+    asked: list[int] = []
+
+    def grads(params, worker, index):
+        asked.append(index)
+        return torch.ones(3)
+
+    run_partial(server, Behind(4, late=3), grads, catch_up=catch_up)
+    assert asked == ([3, 4, 5] if catch_up else [0, 1, 2])
+    assert server.version == 6 and server.dropped >= 3
+
+
+def test_catch_up_applies_at_most_the_room_it_has():
+    pa = Behind(4, late=5)
+    rounds = BackupRounds(pa, quorum=3)
+    applied: list[int] = []
+    first = rounds.take(lambda: torch.ones(3))
+    assert rounds.late and first.round == 0 and rounds.dropped == 1
+    assert rounds.catch_up(2, lambda result: applied.append(result.round)) == 2
+    assert applied == [1, 2] and rounds.round == 3 and rounds.caught_up == 2
+    off = BackupRounds(Behind(4, late=5), quorum=3, catch_up=False)
+    off.take(lambda: torch.ones(3))
+    assert off.catch_up(10, lambda result: None) == 0 and off.round == 1
+
+
+def test_tolerated_is_what_the_policy_allows_while_the_quorum_can_come():
+    assert tolerated(backup(1), 4) == 1
+    assert tolerated(backup(2), 6) == 2
+    assert tolerated(bsp(), 4) == 0
