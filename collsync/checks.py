@@ -13,6 +13,15 @@ class TraceError(AssertionError):
     """A trace broke an invariant; the message lists every violation found."""
 
 
+def _bounds(policy: SyncPolicy, workers: int, up_to_all: bool) -> tuple[int, int, int]:
+    """(quorum, most, least) gradients an update takes: exactly `quorum`, except where a collection timeout lets it
+    take fewer (a stream flushed early) or more (a round that waited for every worker, up to the timeout after its
+    quorum), or the transport lets a round take up to every worker (`up_to_all`: serverless backup's margin)."""
+    quorum = policy.quorum_for(workers)
+    least = 1 if policy.timeout is not None and not policy.rounds else quorum
+    return quorum, workers if up_to_all else policy.full_for(workers), least
+
+
 def check_trace(
     trace: Trace | Sequence[Event], policy: SyncPolicy, workers: int, up_to_all: bool = False
 ) -> dict[str, int]:
@@ -36,12 +45,7 @@ def check_trace(
     errors: list[str] = []
     # A run restarted on another number of workers starts with the first world's (`world` events, below).
     workers = next((int(e["was"]) for e in events if e["ev"] == "world"), workers)
-    # An update takes exactly `quorum` gradients, except where a collection timeout lets it take fewer (a stream
-    # flushed early) or more (a round that waited for every worker, up to the timeout after its quorum).
-    # `up_to_all`: the transport lets a round take more than its quorum, up to every worker (serverless backup's
-    # margin: every gradient that comes within it).
-    quorum, full = policy.quorum_for(workers), workers if up_to_all else policy.full_for(workers)
-    least = 1 if policy.timeout is not None and not policy.rounds else quorum
+    quorum, full, least = _bounds(policy, workers, up_to_all)
     pushed: Counter[tuple[int, int, int]] = Counter()
     settled: Counter[tuple[int, int, int]] = Counter()
     last_t, updates = float("-inf"), 0
@@ -64,8 +68,7 @@ def check_trace(
         elif ev == "world":
             # A restart on another number of workers (`runs.resume.refit`): the bounds are the new world's.
             workers, lost = e["workers"], set()
-            quorum, full = policy.quorum_for(workers), workers if up_to_all else policy.full_for(workers)
-            least = 1 if policy.timeout is not None and not policy.rounds else quorum
+            quorum, full, least = _bounds(policy, workers, up_to_all)
         elif ev == "lost":
             lost.add(e["worker"])
             live = workers - len(lost)

@@ -227,17 +227,12 @@ def run_server(
     (the rounds it would have joined can no longer complete); the others then read `done` (`departed()` names
     the workers that left).
 
-    `publish_delay`: a slow server (`stragglers=slow_server`): after each update it stays busy that many seconds
-    before workers see the new version, as the simulator models it.
-
-    `between(server)`: called after each message (or quiet `_BETWEEN_POLL_S`), where the server's state is whole:
-    a checkpoint is written there, and a stop asked for by a signal raised.
-
-    `poll()`: called on every turn of the loop (SpecSync's scheduler co-located with this server); it returns the
-    monotonic time by which it must be called again, which bounds the wait for the next gradient.
-
-    `waiting(out)`: training is over but workers are still out after a short wait (`lost.close_serving`): called
-    once, before the rest of the wait for them (at most the deadline), with those workers.
+    The hooks: `publish_delay`, a slow server (`stragglers=slow_server`) busy that many seconds after each update
+    before workers see the new version, as the simulator models it; `between(server)`, after each message (or quiet
+    `_BETWEEN_POLL_S`), where the server's state is whole (a checkpoint is written there, a stop asked for by a
+    signal raised); `poll()`, on every turn (SpecSync's scheduler co-located here), returning the monotonic time by
+    which it must be called again (a bound on the wait for the next gradient); `waiting(out)`, once, when training
+    is over but workers `out` are still out after a short wait (`lost.close_serving`), before the rest of the wait.
     """
     policy = server.policy
     mailbox.publish(server.view(), server.stamp())

@@ -118,19 +118,13 @@ def init(
     startup.disarm()
     node, cores = node_layout(world, deadline)  # collective over the whole world: servers included
     set_threads(world, node)
-    oversubscribed = node > cores
+    over = node > cores  # oversubscribed
     rank = world.Get_rank()
     is_server = rank < servers
     comm_w = cast("MPI.Intracomm", world.Split(0 if not is_server else 1, rank))  # the stubs say Comm
     role = "server" if is_server else "worker"
     if is_server and serve:
-        # Lazily: the server side (the shard run, and the Hydra it builds rules with) loads on server ranks only.
-        from collsync.torch._serve import serve_forever
-
-        _STATE = World(
-            world, comm_w, servers, None, None, config, backend, oversubscribed=oversubscribed, deadline=deadline
-        )
-        serve_forever(_STATE)  # never returns: the process exits once the workers left
+        _serve(World(world, comm_w, servers, None, None, config, backend, oversubscribed=over, deadline=deadline))
     local = comm_w.Split_type(MPI.COMM_TYPE_SHARED, key=comm_w.Get_rank())
     cross = comm_w.Split(local.Get_rank(), comm_w.Get_rank())
     _STATE = World(
@@ -141,7 +135,7 @@ def init(
         cross,
         config,
         backend,
-        oversubscribed=oversubscribed,
+        oversubscribed=over,
         role=role,
         serve=serve,
         deadline=deadline,
@@ -151,6 +145,16 @@ def init(
 
         horovod_init(comm_w)
     ending.at_exit(shutdown)
+
+
+def _serve(st: World) -> None:
+    """A server rank: serve inside `init()`, never returning (the process exits once the workers left)."""
+    global _STATE
+    # Lazily: the server side (the shard engine, and the Hydra it builds rules with) loads on server ranks only.
+    from collsync.torch._serve import serve_forever
+
+    _STATE = st
+    serve_forever(st)
 
 
 def _world_comm(MPI: Any, comm: Any) -> Any:  # noqa: N803 - the module's own name

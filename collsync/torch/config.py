@@ -152,50 +152,16 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
     scaled_lr = options.pop("scaled_lr", True)
     if not isinstance(scaled_lr, bool):
         raise ValueError(f"scaled_lr={scaled_lr!r} must be True or False")
-    if isinstance(sync, SyncPolicy):
-        if options:
-            raise ValueError(f"sync={sync.name}: options {sorted(options)} beside a SyncPolicy (set them on it)")
-        policy = sync
-    elif isinstance(sync, str):
-        if sync not in MODES:
-            raise ValueError(f"sync={sync!r} is not one of {', '.join(MODES)}")
-        if sync == "ssp" and "max_lead" not in options:
-            options["max_lead"] = SSP_MAX_LEAD
-        policy = build(_node("sync", sync, options))
-    else:
-        raise TypeError(f"sync must be a mode name, a SyncPolicy or a SyncConfig, got {type(sync).__name__}")
+    policy = _policy(sync, options)
     if servers is None:
         servers = 1 if policy.name in SERVER_MODES or not policy.rounds or policy.max_lead else 0
     if not isinstance(servers, int) or servers < 0:
         raise ValueError(f"sync={policy.name}: servers={servers!r} must be a whole number >= 0")
     if backend not in ("mpi", "horovod"):
         raise ValueError(f"sync={policy.name}: backend={backend!r} must be 'mpi' or 'horovod'")
-    if not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"sync={policy.name}: depth={depth!r} must be a whole number >= 1")
-    try:
-        check_margin(margin)
-    except ValueError as exc:
-        raise ValueError(f"sync={policy.name}: {str(exc).removeprefix('partial allreduce: ')}") from None
-    if margin_given and (servers or policy.name != "backup"):
-        raise ValueError(
-            f"sync={policy.name}: margin={margin!r} is for serverless backup (sync='backup', servers=0), whose "
-            "rounds are the k-of-n partial allreduce"
-        )
-    if catch_up not in (None, True, False):
-        raise ValueError(f"sync={policy.name}: catch_up={catch_up!r} must be True, False or None (decide by itself)")
-    if catch_up_given and (servers or policy.name != "backup"):
-        raise ValueError(
-            f"sync={policy.name}: catch_up={catch_up!r} is for serverless backup (sync='backup', servers=0), whose "
-            "late workers skip to the current round"
-        )
-    penalty_node = None
-    if penalty is not None:
-        if penalty not in PENALTIES:
-            raise ValueError(f"penalty={penalty!r} is not one of {', '.join(PENALTIES)}")
-        given = sorted(penalty_options)
-        penalty_node = {"name": penalty, "given": given, **_node("penalty", penalty, dict(penalty_options))}
-    elif penalty_options:
-        raise ValueError("penalty_options are for a penalty given by name (penalty='gap_aware', ...)")
+    serverless = not servers and policy.name == "backup"
+    _check_backup(policy.name, serverless, depth, (margin, margin_given), (catch_up, catch_up_given))
+    penalty_node = _penalty_node(penalty, penalty_options)
     rule_node = None
     if rule is not None:
         if not isinstance(rule, str):
@@ -205,6 +171,59 @@ def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:
         raise ValueError("rule_options are for a rule given by name (rule='dana', ...)")
     named = named if isinstance(sync, str) else None
     return SyncConfig(policy, penalty_node, servers, backend, depth, rule_node, scaled_lr, named, margin, catch_up)
+
+
+def _policy(sync: Any, options: dict[str, Any]) -> SyncPolicy:
+    """The policy of `sync_config`: a `SyncPolicy` as given (no options beside it), or a mode by name built from
+    its `conf/sync/<name>.yaml` with the mode's own `options` (ssp's bound defaults to `SSP_MAX_LEAD` here)."""
+    if isinstance(sync, SyncPolicy):
+        if options:
+            raise ValueError(f"sync={sync.name}: options {sorted(options)} beside a SyncPolicy (set them on it)")
+        return sync
+    if not isinstance(sync, str):
+        raise TypeError(f"sync must be a mode name, a SyncPolicy or a SyncConfig, got {type(sync).__name__}")
+    if sync not in MODES:
+        raise ValueError(f"sync={sync!r} is not one of {', '.join(MODES)}")
+    if sync == "ssp" and "max_lead" not in options:
+        options["max_lead"] = SSP_MAX_LEAD
+    return cast(SyncPolicy, build(_node("sync", sync, options)))
+
+
+def _check_backup(
+    name: str, serverless: bool, depth: Any, margin: tuple[Any, bool], catch_up: tuple[Any, bool]
+) -> None:
+    """Serverless backup's options (`depth`; `margin` and `catch_up`, each with whether it was given): valid
+    values, and `margin` and `catch_up` given only for serverless backup, whose rounds are the k-of-n partial
+    allreduce."""
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"sync={name}: depth={depth!r} must be a whole number >= 1")
+    try:
+        check_margin(margin[0])
+    except ValueError as exc:
+        raise ValueError(f"sync={name}: {str(exc).removeprefix('partial allreduce: ')}") from None
+    if margin[1] and not serverless:
+        raise ValueError(
+            f"sync={name}: margin={margin[0]!r} is for serverless backup (sync='backup', servers=0), whose "
+            "rounds are the k-of-n partial allreduce"
+        )
+    if catch_up[0] not in (None, True, False):
+        raise ValueError(f"sync={name}: catch_up={catch_up[0]!r} must be True, False or None (decide by itself)")
+    if catch_up[1] and not serverless:
+        raise ValueError(
+            f"sync={name}: catch_up={catch_up[0]!r} is for serverless backup (sync='backup', servers=0), whose "
+            "late workers skip to the current round"
+        )
+
+
+def _penalty_node(penalty: Any, options: dict[str, Any]) -> dict[str, Any] | None:
+    """The penalty's config node (`conf/penalty/<name>.yaml` with `options`), remembering the keys given."""
+    if penalty is None:
+        if options:
+            raise ValueError("penalty_options are for a penalty given by name (penalty='gap_aware', ...)")
+        return None
+    if penalty not in PENALTIES:
+        raise ValueError(f"penalty={penalty!r} is not one of {', '.join(PENALTIES)}")
+    return {"name": penalty, "given": sorted(options), **_node("penalty", penalty, dict(options))}
 
 
 def merge(config: SyncConfig, options: dict[str, Any]) -> SyncConfig:
