@@ -177,15 +177,9 @@ def _speculative(worker: Worker, mailbox: WorkerMailbox, grads: GradFn, params: 
         try:
             grad = grads(params, worker.rank, worker.steps)
         except Aborted:
-            speculator.computing = -1
-            speculator.report(worker.clock, worker.version, (time.monotonic() - started) / speculator.scale)
-            # Any version will do: it is newer than the one the aborted gradient was on, which the policy allowed.
-            before = mailbox.bytes_fetched
-            stamp = mailbox.read(params, lambda _: True)
-            speculator.resync_bytes += mailbox.bytes_fetched - before
-            if stamp.done:
+            wasted = (time.monotonic() - started) / speculator.scale
+            if speculator.resync(worker, mailbox, params, wasted).done:
                 return None
-            worker.restart(stamp)
             started = time.monotonic()
             continue
         speculator.computing = -1

@@ -46,6 +46,7 @@ import numpy as np
 
 from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Aborted, Scheduler, Speculation
 from collsync.trace import Trace
+from collsync.types import Flat, Stamp
 
 NOTIFY, ABORT, BYE, RESYNC, SUMMARY = 11, 12, 13, 14, 15
 ABORT_BYTES = 32  # [worker, clock, version, wasted] as float64: counted with the notifications
@@ -221,6 +222,22 @@ class Speculator:
         self.bytes += ABORT_BYTES
         self.aborts += 1
         self.wasted_s += wasted
+
+    def resync(self, worker: Any, mailbox: Any, params: Flat, wasted: float) -> Stamp:
+        """The one abort-and-restart of both MPI fronts (004_... Alg. 2, worker lines 5-7), after `Aborted`: the
+        gradient under way is no longer computed, the abort (with `wasted` model seconds) goes to the scheduler's
+        rank, the newest parameters are read into `params` (any version will do: it is newer than the one the
+        aborted gradient was on, which the policy allowed; the bytes count as re-sync pulls), and `worker`
+        (`loops.Worker`) restarts its batch on them unless training ended meanwhile (`stamp.done`). The simulator
+        does the same on its virtual clock (`sim.Simulator._resync`)."""
+        self.computing = -1
+        self.report(worker.clock, worker.version, wasted)
+        before = mailbox.bytes_fetched
+        stamp: Stamp = mailbox.read(params, lambda _: True)
+        self.resync_bytes += mailbox.bytes_fetched - before
+        if not stamp.done:
+            worker.restart(stamp)
+        return stamp
 
     def close(self, timeout: float | None) -> None:
         """Training is over: BYE, then take re-syncs until the end marker (at most `timeout` s), complete sends."""

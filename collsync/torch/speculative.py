@@ -148,20 +148,15 @@ class Speculating:
         """A re-sync aborted the gradient under way: report the seconds thrown away to rank 0, zero the gradients,
         pull the newest parameters into the model (any version will do: it is newer than the one the aborted
         gradient was on, which the policy allowed) and start the batch over on them (Alg. 2, worker lines 5-7)."""
-        mode, sp = self.mode, self.speculator
-        sp.computing = -1
-        sp.report(mode.worker.clock, mode.worker.version, time.monotonic() - self.started)
+        mode = self.mode
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None:
                     p.grad.zero_()  # in place: references the script holds stay valid
-        before = mode.mailbox.bytes_fetched
-        stamp = mode.mailbox.read(mode.params, lambda _: True)
-        sp.resync_bytes += mode.mailbox.bytes_fetched - before
+        stamp = self.speculator.resync(mode.worker, mode.mailbox, mode.params, time.monotonic() - self.started)
         if stamp.done:
             mode.finished = True
         else:
-            mode.worker.restart(stamp)
             mode.flat.set_params(mode.params)
         self.computing()
 
