@@ -249,7 +249,7 @@ def test_horovods_exception_classes():
 
 
 def test_sparse_allreduce_async_gathers_indices_and_values_as_horovod():
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     dense = torch.zeros(4, 3)
     dense[r % 4, 1] = float(r + 1)
     wait = hvd.sparse_allreduce_async(dense.to_sparse(), name="s", op=hvd.Sum)
