@@ -182,6 +182,12 @@ class Keeper:
             raise ValueError(f"resume: {self.disabled}")
         payload = load(self.source)
         check_config(payload["config"], self.config, self.source)
+        version, steps = int(payload["version"]), self.config.get("steps")
+        if isinstance(steps, int) and version > steps:  # the run would end at once, with nothing said
+            raise ValueError(
+                f"resume: {self.source} is at server step {version}, already past steps={steps}: "
+                f"pass steps > {version} to train on from it"
+            )
         self.schedule.written(int(payload["version"]))
         return payload
 

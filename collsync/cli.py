@@ -14,11 +14,12 @@ loading torch, and under a launcher MPI is initialised in `_check_world`, before
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -109,16 +110,22 @@ def _omegaconf_error(exc: oc_errors.OmegaConfBaseException) -> str:
     return f"{key}: {text}" if key and str(key) not in text else text
 
 
-def execute(cfg: DictConfig, out_dir: Path, choices: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+def execute(
+    cfg: DictConfig, out_dir: Path, choices: Mapping[str, Any] | None = None, overrides: Sequence[str] = ()
+) -> dict[str, Any] | None:
     """What `collsync-train` does with a composed config: probe the run folder, then train (`collsync.train.run`,
     which checks the config against its schema before it builds anything). `choices`: Hydra's option per group,
-    which tells a group given a list of options (see `schema.check`)."""
+    which tells a group given a list of options (see `schema.check`); `overrides`: Hydra's task overrides, which
+    tell a value given on the command line from a default (`schema.check_overrides`)."""
     from collsync import rundir, schema
     from collsync.train import run
 
     schema.check(cfg, choices)  # first: `run` reads top-level keys (the seed) before it builds the parts
+    for warning in schema.check_overrides(overrides):
+        if launcher_rank() == 0:  # once, not once per rank
+            logging.getLogger("collsync.train").warning(warning)
     rundir.probe(out_dir)
-    return run(cfg, out_dir)
+    return run(cfg, out_dir, overrides)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -129,7 +136,7 @@ def _train(cfg: DictConfig) -> float | None:
     checkpoint.stop_now("during start-up")  # a signal since `train()` began: nothing to save, end now
     checkpoint.install()  # SIGTERM / SIGINT / SIGUSR1: checkpoint, write the run folder, exit 128 + the signal
     try:
-        result = execute(cfg, out_dir, HydraConfig.get().runtime.choices)
+        result = execute(cfg, out_dir, HydraConfig.get().runtime.choices, list(HydraConfig.get().overrides.task))
     except checkpoint.Preempted as exc:
         _fail(str(exc), code=exc.code, what="")
     except Exception as exc:  # noqa: BLE001 - sorted into user errors and bugs just below
@@ -236,6 +243,15 @@ def _shared_run_dir() -> None:
     sys.argv.append(f"hydra.run.dir=outputs/{stamp}")
 
 
+def _check_run_dir(argv: list[str]) -> None:
+    """An empty `hydra.run.dir=` (or `hydra.sweep.dir=`) would make the current folder the run folder, mixing the
+    run's files with whatever is there: refused, before Hydra writes anything into it."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if sep and key in ("hydra.run.dir", "hydra.sweep.dir") and not value.strip().strip("'\"").strip():
+            _fail(f"{key}={value}: an empty folder is the current folder: name the run folder, e.g. {key}=runs/a")
+
+
 def _os_error_in(exc: BaseException) -> OSError | None:
     """The OSError on a path that caused `exc` (itself included), or None."""
     seen: BaseException | None = exc
@@ -260,6 +276,7 @@ def train() -> None:
     # Python's defaults would leave a traceback (SIGINT) or nothing at all to say which rank stopped.
     checkpoint.install()
     _shared_run_dir()
+    _check_run_dir(sys.argv[1:])
     # Hydra prints its own errors (an unknown key, a missing option, a run folder it cannot create) over several
     # lines and exits 1; with HYDRA_FULL_ERROR it raises them instead, and they are printed here as one line. A user
     # who set HYDRA_FULL_ERROR gets Hydra's full report.

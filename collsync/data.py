@@ -65,8 +65,8 @@ def _dataset(
 ) -> Dataset:
     """The data checked whole, as torch tensors: no split empty, features numbers and finite, test rows of the
     training rows' shape (the model is built for that shape: `Dataset.input_shape`), labels whole numbers in
-    [0, classes) in both splits. `classes` defaults to the largest training label + 1. `arrays` names the four
-    arrays (x_train, y_train, x_test, y_test) in messages: their keys in an .npz, their files."""
+    [0, classes) in both splits. `classes` defaults to the largest training label + 1 (at most twice the distinct
+    training labels). `arrays` names the four arrays (x_train, ...) in messages: their keys in an .npz, their files."""
     for (x, y), (xs, ys), part in (((xtr, ytr), arrays[:2], "train"), ((xte, yte), arrays[2:], "test")):
         _check_split(name, part, x, y, xs, ys)
     if xte.shape[1:] != xtr.shape[1:]:
@@ -74,20 +74,21 @@ def _dataset(
             f"{name}: {arrays[2]} has rows of shape {xte.shape[1:]} but {arrays[0]} {xtr.shape[1:]}, the model's "
             f"input: both splits need rows of one shape"
         )
+    top, held = int(ytr.max()), len(np.unique(ytr))
+    if classes is None and top + 1 > 2 * held:  # 100000 among labels 0..9: a typo, not 100001 classes
+        why = f"which makes {top + 1} classes of which it holds {held}: labels must number the classes 0..K-1"
+        raise ValueError(f"{name}: {arrays[1]} row {int(np.argmax(ytr == top))} holds label {top}, {why}")
     source = "" if classes is not None else f" (the classes {arrays[1]} holds: its largest label + 1)"
-    classes = int(ytr.max()) + 1 if classes is None else classes
+    classes = top + 1 if classes is None else classes
     for y, ys in ((ytr, arrays[1]), (yte, arrays[3])):
         if (y >= classes).any():
             row = int(np.argmax(y >= classes))
             raise ValueError(f"{name}: {ys} row {row} holds label {y[row]:g}, outside [0, {classes}){source}")
-    return Dataset(
-        torch.from_numpy(np.ascontiguousarray(xtr, dtype=np.float32)),
-        torch.from_numpy(ytr.astype(np.int64)),
-        torch.from_numpy(np.ascontiguousarray(xte, dtype=np.float32)),
-        torch.from_numpy(yte.astype(np.int64)),
-        classes,
-        name,
+    (x_train, x_test), (y_train, y_test) = (
+        [torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) for x in (xtr, xte)],
+        [torch.from_numpy(y.astype(np.int64)) for y in (ytr, yte)],
     )
+    return Dataset(x_train, y_train, x_test, y_test, classes, name)
 
 
 def _check_split(name: str, part: str, x: np.ndarray, y: np.ndarray, xs: str, ys: str) -> None:

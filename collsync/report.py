@@ -11,6 +11,10 @@ stamps in their folder names; runs whose overrides differ only in `seed=` form a
 (run folders read back: `collsync.runfiles`). Times are simulated seconds for the simulator and wall seconds for real
 runs; the two never share an axis or a column without their unit.
 
+A sweep member that left no run (a folder Hydra made for the job, with no trace.jsonl: it failed on a bad input or
+was killed before writing its run folder) is named on stderr, one line each, after the report of the others, and
+the exit status is then 1 (0 when every member is in the report).
+
 Every folder the command will write is probed first (`collsync.rundir.probe`, as `collsync-train` probes its run
 folder): one that is read-only, full or under a regular file stops it with one line and exit status 2, before
 anything is written.
@@ -29,7 +33,17 @@ from typing import Any
 
 from collsync.metrics import THRESHOLDS, format_summary, metrics_rows
 from collsync.rundir import RunFolderError, describe, probe
-from collsync.runfiles import ReportError, Run, find_runs, kept_summary_keys, read_run, run_names, write_report
+from collsync.runfiles import (
+    ReportError,
+    Run,
+    find_runs,
+    kept_summary_keys,
+    missing_runs,
+    read_overrides,
+    read_run,
+    run_names,
+    write_report,
+)
 
 PROG = "collsync-report"
 
@@ -290,7 +304,21 @@ def main(argv: list[str] | None = None) -> int:
         paths = compare(runs, where, common)
         print(f"\n== comparison of {len(runs)} runs  ->  {where}")
         print(paths["table"].read_text(), end="")
-    return 0
+    return _name_missing(args.paths)
+
+
+def _name_missing(paths: Sequence[Path]) -> int:
+    """Name each sweep member that left no run (one line on stderr) and return the exit status: 1 when one did (the
+    report of the others is written all the same), else 0."""
+    missing = missing_runs(paths)
+    for folder in missing:
+        said = " ".join(read_overrides(folder) or []) or "no overrides"
+        print(
+            f"{PROG}: warning: {folder} ({said}) has no trace.jsonl: the run failed or was killed before writing "
+            f"its run folder (its collsync.log says why); left out of the report",
+            file=sys.stderr,
+        )
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

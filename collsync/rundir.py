@@ -13,6 +13,7 @@ the parameters are saved to a temporary file instead and the error names both th
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -61,6 +62,21 @@ def probe(out_dir: Path) -> None:
             os.fsync(f.fileno())
     except OSError as exc:
         raise RunFolderError(f"the run folder {str(out_dir)!r} cannot be written: {describe(exc)}") from exc
+
+
+def finished(out_dir: Path, resume: str | None, steps: int) -> dict[str, Any] | None:
+    """With `resume=auto`, the summary of a run folder that already holds a finished run of at least `steps`
+    updates (summary.json without `incomplete`), else None: a requeued or repeated command would otherwise go on
+    from the last periodic checkpoint, older than the end, and train the finished run again over its own folder."""
+    if resume != "auto":
+        return None
+    try:
+        done = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(done, dict) or done.get("incomplete") or not isinstance(done.get("updates"), int):
+        return None
+    return done if done["updates"] >= steps else None
 
 
 def keep(payload: dict[str, Any]) -> Path:

@@ -82,6 +82,28 @@ def find_runs(paths: Sequence[Path]) -> list[Path]:
     return sorted(unique.values(), key=lambda p: _natural(p.resolve()))
 
 
+def missing_runs(paths: Sequence[Path]) -> list[Path]:
+    """The sweep members under `paths` that left no run: folders Hydra made for a job (holding .hydra/) with no
+    trace.jsonl, because the member failed before training or was killed before it wrote its run folder. Left out
+    of a comparison, they must still be named: a table of the members that worked reads as the whole sweep."""
+    found: list[Path] = []
+
+    def walk(folder: Path) -> None:
+        if (folder / "trace.jsonl").is_file():
+            return
+        if (folder / ".hydra").is_dir():
+            found.append(folder)
+        for child in folder.iterdir():
+            if child.is_dir() and not child.name.startswith("."):
+                walk(child)
+
+    for path in paths:
+        if path.is_dir():
+            walk(path)
+    unique = {p.resolve(): p for p in found}
+    return sorted(unique.values(), key=lambda p: _natural(p.resolve()))
+
+
 def read_overrides(run: Path) -> list[str] | None:
     """The task overrides a run was launched with (.hydra/overrides.yaml), or None where the file is absent."""
     path = run / ".hydra" / "overrides.yaml"

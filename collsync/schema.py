@@ -26,7 +26,7 @@ import inspect
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from importlib.resources import files
 from typing import Any, Literal
@@ -74,6 +74,11 @@ class RunConfig:
         for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.resume is not None and not self.resume.strip():  # `resume=`: Hydra's empty string, not null
+            raise ConfigError(
+                f"resume={self.resume!r} is empty: pass resume=auto (this run folder's checkpoint, if any), a run "
+                f"folder or a checkpoint.pt (leave it out for a fresh start)"
+            )
         if not self.guard_loss > 1.0:
             raise ConfigError(f"guard_loss={self.guard_loss} must be > 1 (a multiple of the starting test loss)")
         if isinstance(self.checkpoint, dict):
@@ -122,6 +127,59 @@ def check(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> RunConfi
     entries.sort(key=lambda e: OmegaConf.is_interpolation(e[0], e[1]))
     values = {path: _checked(node, key, path, hint) for node, key, path, hint in entries}
     return RunConfig(**{f.name: values[f.name] for f in fields(RunConfig) if f.name in values})
+
+
+def given(overrides: Sequence[str], key: str) -> str | None:
+    """The value `key` was last given on the command line (`overrides`: Hydra's task overrides, `key=v`, `+key=v`
+    or `++key=v`), or None: a default and a value given are the same number to the config, not to the user."""
+    found = None
+    for override in overrides:
+        name, sep, value = override.lstrip("+").partition("=")
+        if sep and name == key:
+            found = value
+    return found
+
+
+def check_overrides(overrides: Sequence[str]) -> list[str]:
+    """Combinations of command-line overrides the config cannot tell apart from its defaults: ConfigError for one
+    that contradicts itself, and the warnings (one line each) for one that is legitimate but overrides a choice.
+
+    `sync.pushes` and `sync.push_fraction` both given: psp takes `pushes` and would drop the fraction unsaid. A
+    `method=` with `optimizer=` or `penalty=`: the command line's option replaces the method's (`method=sa
+    optimizer=nesterov` is SA with NAG, as `benchmarks/study.py` runs it), so only a warning names what it replaced.
+    """
+    pushes, fraction = given(overrides, "sync.pushes"), given(overrides, "sync.push_fraction")
+    if pushes not in (None, "null") and fraction not in (None, "null"):
+        raise ConfigError(
+            f"sync.pushes={pushes} and sync.push_fraction={fraction} both set psp's quorum: give one of them"
+        )
+    method = given(overrides, "method")
+    if method in (None, "null"):
+        return []
+    warnings = []
+    for group, chosen in _method_choices(method).items():
+        mine = given(overrides, group)
+        if mine is not None and mine != chosen:
+            warnings.append(
+                f"method={method} sets {group}={chosen}, and {group}={mine} on the command line replaces it: "
+                f"this run trains {group}={mine}"
+            )
+    return warnings
+
+
+def _method_choices(method: str) -> dict[str, str]:
+    """The options `conf/method/<method>.yaml` chooses (`{"penalty": "none", "optimizer": "dana"}`), from its
+    defaults list; {} for a method that is not there (Hydra has named it already)."""
+    path = files("collsync.conf").joinpath("method", f"{method}.yaml")
+    if not path.is_file():
+        return {}
+    node = OmegaConf.create(path.read_text())
+    chosen: dict[str, str] = {}
+    for entry in node.get("defaults", []) if isinstance(node, DictConfig) else []:
+        if isinstance(entry, DictConfig):
+            for k, v in entry.items():
+                chosen[str(k).removeprefix("override ").strip().lstrip("/")] = str(v)
+    return chosen
 
 
 @functools.cache

@@ -27,6 +27,11 @@ import numpy as np
 
 _KINDS = ("constant", "gamma_homogeneous", "gamma_heterogeneous")
 _BLOCK = 256
+# The largest seconds a batch, a message delay or a slow update may take (about 32 years): the simulated clock adds
+# them up over every step, and 1e308 would overflow it to infinity (no JSON number) within two steps.
+MAX_SECONDS = 1e9
+# The coefficients of variation the gamma draws take (the paper's are 0.1 and 0.6).
+_MIN_CV, _MAX_CV = 1e-6, 100.0
 # Stream tags: fixed forever, since they decide every number a seeded run sees.
 _COMPUTE, _DELAY, _HOMO_Q, _HETERO_P = 1, 2, 0xC0FFEE, 0xBEEF
 
@@ -61,11 +66,19 @@ class Stragglers:
             raise ValueError(f"stragglers: compute={self.compute!r} must be one of {', '.join(_KINDS)}")
         if not (self.mean > 0 and math.isfinite(self.mean)):
             raise ValueError(f"stragglers: mean={self.mean} must be > 0 seconds")
+        for key in ("mean", "delay", "slow_server"):
+            if getattr(self, key) > MAX_SECONDS:
+                raise ValueError(
+                    f"stragglers: {key}={getattr(self, key)} must be <= {MAX_SECONDS:g} seconds (the simulated clock "
+                    f"adds up every step's times)"
+                )
         if self.compute != "constant":
             for key in ("v_task", "v_mach"):
                 value = getattr(self, key)
                 if not (value > 0 and math.isfinite(value)):
                     raise ValueError(f"stragglers: {key}={value} must be > 0 for compute={self.compute!r}")
+                if not _MIN_CV <= value <= _MAX_CV:  # the gamma shape 1/v^2 would under- or overflow
+                    raise ValueError(f"stragglers: {key}={value} must be in [{_MIN_CV:g}, {_MAX_CV:g}]")
         if not 0.0 <= self.delay_prob <= 1.0:
             raise ValueError(f"stragglers: delay_prob={self.delay_prob} must be in [0, 1]")
         for key in ("delay", "at", "slow_server"):

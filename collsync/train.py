@@ -8,7 +8,9 @@ shards (`runs.shards`); this module picks one.
 
 from __future__ import annotations
 
+import logging
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,29 +22,46 @@ import collsync.torch as cst
 from collsync.data import Batches
 from collsync.flat import FlatModel
 from collsync.loops import GradFn, Gradients
+from collsync.rundir import finished
 from collsync.runs.parts import Launch, Parts, build, check_fit, scheduler_ranks
 from collsync.runs.replicas import allreduce_step, partial_step, run_replicas
 from collsync.runs.shards import run_shards
 from collsync.runs.simulated import run_simulated
 from collsync.runtime.mpi_world import world
+from collsync.runtime.spec import launched_under_mpi, launcher_rank
+from collsync.schema import given
 from collsync.torch._world import state
 
 __all__ = ["Parts", "build", "run"]
 
 
-def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any] | None:
-    """Train as configured; on the rank that holds the server, write the run folder and return the summary."""
+def run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict[str, Any] | None:
+    """Train as configured; on the rank that holds the server, write the run folder and return the summary.
+    `overrides`: the command line's (Hydra's task overrides), which tell a key given there from a default."""
     instantiate(cfg.runtime).check_launcher()  # a launch that does not fit the runtime stops here, before any data
+    done = finished(out_dir, cfg.resume, int(cfg.steps))
+    if launched_under_mpi():
+        done = world().bcast(done, root=0)  # rank 0's folder decides: the others may not share its file system
+    if done is not None:
+        if launcher_rank() == 0:
+            logging.getLogger("collsync.train").info(
+                "run folder %s is finished (%d updates, steps=%d): nothing to train (pass steps > %d to train on)",
+                out_dir,
+                done["updates"],
+                cfg.steps,
+                done["updates"],
+            )
+        return done
     torch.manual_seed(int(cfg.seed))
     parts = build(cfg)
     flat = FlatModel(parts.model)
     check_fit(parts, None)
     if parts.runtime.kind == "sim":
         return run_simulated(parts, flat, out_dir)
-    return _run_mpi(parts, flat, out_dir)
+    return _run_mpi(parts, flat, out_dir, overrides)
 
 
-def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any] | None:
+def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path, overrides: Sequence[str]) -> dict[str, Any] | None:
     """The MPI runtimes, as a client of `collsync.torch`: its `init` checks the world against the launcher, shares
     the cores among the ranks and gives each rank its role; `runtime=mpi` opens its shards as the API's server
     modes do (`Shards`), and its server ranks are driven by `runs.shards` (`serve=False`) to evaluate and write
@@ -62,6 +81,8 @@ def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any] | N
     cst.init(servers=servers, serve=False, deadline=parts.policy.deadline)  # start-up bounded by the deadline
     comm = state().world
     workers = comm.Get_size() - servers - scheduler
+    if given(overrides, "runtime.workers") is not None:
+        _check_given_workers(parts.config["runtime"].get("workers"), comm.Get_size(), workers)
     check_fit(parts, workers)
     grads: GradFn = Gradients(flat, Batches(parts.data, workers, run.batch_size, run.seed))
     sampler = parts.stragglers.sampler(workers, run.seed) if spec.inject_stragglers else None
@@ -72,3 +93,17 @@ def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any] | N
     if spec.kind == "partial":
         return run_replicas(launch, partial_step)
     return run_shards(launch)
+
+
+def _check_given_workers(value: Any, ranks: int, workers: int) -> None:
+    """Under MPI the launch decides the workers (its ranks less the server and scheduler ranks): a
+    `runtime.workers` given on the command line that says otherwise would be recorded in .hydra/config.yaml and
+    ignored, so it is refused, saying what the launch gives and what to pass."""
+    if value is None or value == workers:
+        return
+    more = f"launch {value + ranks - workers} ranks for {value} workers, or " if value >= 1 else ""
+    raise ValueError(
+        f"runtime.workers={value} does not fit the launch: {ranks} ranks give {workers} worker(s) beside the "
+        f"server rank(s), and under MPI the launch decides (runtime.workers sets the simulator's): "
+        f"{more}pass runtime.workers={workers} or leave it out"
+    )

@@ -107,6 +107,21 @@ def check_fit(parts: Parts, workers: int | None) -> None:
         raise ValueError(f"stragglers.shard={model.shard} must be < runtime.servers={parts.runtime.servers}")
     if kind == "partial":
         check_policy(policy)
+    if parts.runtime.inject_stragglers and kind != "sim":
+        _check_injected(parts)
+
+
+def _check_injected(parts: Parts) -> None:
+    """Injected stragglers sleep `runtime.time_scale` x the model's seconds per batch: a mean sleep past the
+    deadline would have every worker lost (or the run wait for ever) before its first update, without a word."""
+    scale, model, deadline = parts.runtime.time_scale, parts.stragglers, parts.policy.deadline
+    per_batch = scale * (model.mean + model.delay_prob * model.delay)
+    if deadline is not None and per_batch > deadline:
+        raise ValueError(
+            f"runtime.time_scale={scale:g} x stragglers.mean={model.mean:g} s injects {per_batch:g} s per batch, "
+            f"longer than sync.deadline={deadline:g} s: no gradient would arrive in time; lower runtime.time_scale "
+            f"to at most {deadline / per_batch * scale:g} (the default is 0.01)"
+        )
 
 
 def _check_workers(parts: Parts, workers: int) -> None:

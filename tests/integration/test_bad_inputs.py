@@ -205,7 +205,36 @@ ROWS = [
         "the output folder '{files}/a-file/report' cannot be written: '{files}/a-file/report': [Errno 20] Not a",
         entry="collsync-report",
     ),
+    # Issue 36: inputs that trained silently on a wrong value, hung, or answered with a traceback.
+    Row("run-dir-empty", ["hydra.run.dir="], "hydra.run.dir=: an empty folder is the current folder"),
+    Row(
+        "psp-pushes-and-fraction",
+        ["sync=psp", "sync.pushes=3", "sync.push_fraction=0.5"],
+        "sync.pushes=3 and sync.push_fraction=0.5 both set psp's quorum: give one of them",
+    ),
+    Row("resume-empty", ["resume="], "resume='' is empty: pass resume=auto"),
+    Row("stragglers-overflow", ["stragglers.mean=1e308"], "stragglers: mean=1e+308 must be <= 1e+09 seconds"),
+    Row("stragglers-cv-overflow", ["stragglers.v_mach=1e200"], "stragglers: v_mach=1e+200 must be in [1e-06, 100]"),
+    Row(
+        "npz-label-typo",
+        ["data=npz", "data.path={files}/label100000.npz"],
+        "y_train row 17 holds label 100000, which makes 100001 classes of which it holds 11",
+    ),
     # Under a launcher.
+    Row(
+        "mpi-workers-contradict",
+        ["runtime.workers=7"],
+        "runtime.workers=7 does not fit the launch: 3 ranks give 2 worker(s) beside the server rank(s), and under "
+        "MPI the launch decides (runtime.workers sets the simulator's): launch 8 ranks for 7 workers, or pass "
+        "runtime.workers=2 or leave it out",
+        ranks=3,
+    ),
+    Row(
+        "mpi-injected-past-deadline",
+        ["runtime.inject_stragglers=true", "runtime.time_scale=1000000", "stragglers=gamma_homogeneous"],
+        "runtime.time_scale=1e+06 x stragglers.mean=1 s injects 1e+06 s per batch, longer than sync.deadline=600 s",
+        ranks=3,
+    ),
     Row(
         "mpi-mismatched-python",
         ["optimizer.lr=0.1"],
@@ -252,6 +281,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     np.savez(
         d / "label42.npz",
         **{**digits, "y_test": np.where(np.arange(20) == 17, 42, np.arange(20) % 10)},
+        x_test=rng.random((20, 64)),
+    )
+    np.savez(  # issue 36: one training label mistyped, 100000 among 0..9
+        d / "label100000.npz",
+        **{**digits, "y_train": np.where(np.arange(60) == 17, 100000, np.arange(60) % 10)},
         x_test=rng.random((20, 64)),
     )
     np.savez(d / "no-test.npz", **{**ok, "x_test": np.zeros((0, 2)), "y_test": np.zeros(0, dtype=int)})
@@ -443,3 +477,41 @@ def test_bad_input_is_one_line(row: Row, tmp_path: Path, files: Path, zygote: Zy
         saved = torch.load(kept, weights_only=True)
         kept.unlink()
         assert saved["version"] == 4 and saved["params"].numel() > 0 and saved["config"]["steps"] == 4
+
+
+def test_report_names_a_sweep_member_that_left_no_run(tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
+    """Issue 36: a sweep member that failed (a folder with .hydra/ and no trace.jsonl) is named in one line, the
+    report of the others is written, and the exit status is 1."""
+    sweep = tmp_path / "sweep"
+    shutil.copytree(files / "good-run", sweep / "0")
+    for job, lr in (("0", "0.1"), ("1", "-1")):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr={lr}\n")
+    row = Row("report-member-failed", [str(sweep)], "", entry="collsync-report")
+    status, out, err = launch(row, tmp_path, files, zygote)
+    assert status == 1 and "Traceback" not in out + err, (out + err)[-4000:]
+    named = [line for line in err.splitlines() if "warning:" in line]
+    assert named == [
+        f"collsync-report: warning: {sweep / '1'} (optimizer.lr=-1) has no trace.jsonl: the run failed or was killed "
+        "before writing its run folder (its collsync.log says why); left out of the report"
+    ], err
+    assert "optimizer.lr=0.1" in out and not (sweep / "1" / "trace.jsonl").exists()
+
+
+def test_resume_auto_on_a_finished_run_trains_nothing(tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
+    """Issue 36: `resume=auto` on a run folder whose run finished says so, exits 0 and leaves the folder as it was;
+    with more `steps` it goes on from the folder's checkpoint."""
+    args = ["sync=async", "checkpoint.every=2", "resume=auto", "steps=5", "plots=false"]
+    for name in ("first", "again", "longer"):
+        (tmp_path / name).mkdir()
+    assert launch(Row("finished", args, ""), tmp_path / "first", files, zygote)[0] == 0
+    run = tmp_path / "first" / "mnt" / "run"
+    before = {f.name: f.stat().st_mtime_ns for f in run.iterdir() if f.suffix in (".json", ".jsonl", ".pt")}
+    again = Row("again", [*args, f"hydra.run.dir={run}"], "")
+    status, out, err = launch(again, tmp_path / "again", files, zygote)
+    assert status == 0 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert f"run folder {run} is finished (5 updates, steps=5): nothing to train (pass steps > 5" in out + err
+    assert before == {f.name: f.stat().st_mtime_ns for f in run.iterdir() if f.name in before}
+    longer = Row("longer", [*args, "steps=7", f"hydra.run.dir={run}"], "")
+    assert launch(longer, tmp_path / "longer", files, zygote)[0] == 0
+    assert json.loads((run / "summary.json").read_text())["updates"] == 7
