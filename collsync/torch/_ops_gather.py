@@ -23,6 +23,7 @@ from collsync.torch._ops_base import (
     synchronize,
     words,
 )
+from collsync.torch._ops_reduce import allreduce, grouped_allreduce
 from collsync.torch._process_sets import set_comm, set_root
 from collsync.torch._world import state
 
@@ -91,8 +92,6 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        from collsync.torch.ops import grouped_allreduce  # lazily: ops imports this module
-
         reduced = grouped_allreduce(list(grads), op=Average, process_set=ctx.process_set)
         comm, _ = set_comm(ctx.process_set, "allgather")
         rows = comm.allgather(ctx.rows)
@@ -153,8 +152,6 @@ class _BroadcastFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        from collsync.torch.ops import allreduce  # lazily: ops imports this module
-
         reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
         if state("broadcast").comm.Get_rank() != ctx.root_rank:
             reduced = reduced * 0
@@ -238,10 +235,9 @@ def _served(optimizer: torch.optim.Optimizer) -> bool:
 def _local_step(optimizer: torch.optim.Optimizer) -> None:
     """The user's optimizer's own step, without the gradient synchronisation of a collsync optimizer (Horovod
     calls the wrapped class's step the same way)."""
-    from collsync.torch.optimizer import _Distributed  # lazily: optimizer imports ops, which imports this
-
-    if isinstance(optimizer, _Distributed):
-        super(_Distributed, optimizer).step()  # type: ignore[misc]
+    local = getattr(optimizer, "_local_step", None)  # a DistributedOptimizer's own class's step
+    if callable(local):
+        local()
     else:
         optimizer.step()
 

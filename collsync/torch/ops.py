@@ -18,11 +18,6 @@ handles) in `_ops_base`; every public name is importable from here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-
 from collsync.torch._ops_base import (
     Adasum,
     Average,
@@ -35,16 +30,12 @@ from collsync.torch._ops_base import (
     NoneCompressor,
     Product,
     Sum,
-    _check,
-    _Handle,
-    _mpi_type,
-    _op,
-    _reduce_op,
-    _register,
     poll,
     scale_,
     synchronize,
-    words,
+)
+from collsync.torch._ops_base import (
+    _op as _op,  # DistributedOptimizer checks its op through it
 )
 from collsync.torch._ops_base import (
     _process_set as _process_set,  # DistributedOptimizer refuses process sets through it
@@ -66,6 +57,16 @@ from collsync.torch._ops_gather import (
     join,
     sparse_allreduce_async,
 )
+from collsync.torch._ops_reduce import (
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+)
 from collsync.torch._ops_scatter import (
     alltoall,
     alltoall_async,
@@ -79,9 +80,7 @@ from collsync.torch._process_sets import (
     add_process_set,
     global_process_set,
     remove_process_set,
-    set_comm,
 )
-from collsync.torch._world import state
 
 __all__ = [
     "Adasum",
@@ -132,208 +131,3 @@ __all__ = [
     "sparse_allreduce_async",
     "synchronize",
 ]
-
-
-def _allreduce_start(
-    tensor: torch.Tensor,
-    output: torch.Tensor,
-    op: int,
-    prescale: float,
-    postscale: float,
-    what: str,
-    blocking: bool = False,
-    process_set: Any = global_process_set,
-) -> _Handle:
-    """Start (or with `blocking`, run: one MPI_Allreduce, the fastest where the caller waits anyway) the reduction
-    of `tensor` into `output` over the process set's workers; the handle's `wait()` applies the post-scaling (for
-    Average, 1/size of the set) and returns `output`."""
-    from mpi4py import MPI  # lazily: collsync imports without an MPI library
-
-    st = state(what)
-    comm, _ = set_comm(process_set, what)
-    blocking = blocking and not st.oversubscribed
-    _check(tensor, what)
-    if output is not tensor:
-        output.copy_(tensor)
-    buf = output if output.is_contiguous() else output.contiguous()
-    scale_(buf, prescale)
-    post = postscale / comm.Get_size() if op == Average else postscale
-    message = [words(buf.detach()), _mpi_type(buf.dtype, what)]
-    if blocking:
-        comm.Allreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
-        request = None
-    else:
-        request = comm.Iallreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
-
-    def finish() -> torch.Tensor:
-        scale_(buf, post)
-        if buf is not output:
-            output.copy_(buf)
-        return output
-
-    return _Handle(request, finish)
-
-
-def allreduce_async_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
-) -> int:
-    """Start an in-place allreduce; `synchronize(handle)` returns `tensor` holding the result."""
-    op = _op(op, average, "allreduce_async_")
-    return _register(
-        _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set)
-    )
-
-
-def allreduce_async(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
-) -> int:
-    """Start an allreduce into a new tensor; `synchronize(handle)` returns it."""
-    op = _op(op, average, "allreduce_async")
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _register(
-        _allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set)
-    )
-
-
-def allreduce_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
-) -> torch.Tensor:
-    """In-place allreduce: `tensor` becomes the Average (default) or Sum over the workers."""
-    op = _op(op, average, "allreduce_")
-    handle = _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_", True, process_set)
-    return handle.wait()
-
-
-def allreduce(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Any = Compression.none,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
-) -> torch.Tensor:
-    """The Average (default) or Sum of `tensor` over the workers, as a new tensor (autograd passes through:
-    the gradient of an allreduce is the allreduce of the gradient, as in Horovod)."""
-    op = _op(op, average, "allreduce")
-    return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set)
-
-
-class _AllreduceFn(torch.autograd.Function):
-    """Horovod's `HorovodAllreduce`: the gradient of an allreduce is the same allreduce of the gradient."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, op: int, pre: float, post: float, compression: Any, process_set: Any
-    ) -> torch.Tensor:
-        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
-        compressed, cctx = compression.compress(tensor.detach())
-        out = torch.empty_like(compressed, memory_format=torch.contiguous_format)
-        result = _allreduce_start(compressed, out, op, pre, post, "allreduce", True, process_set).wait()
-        return compression.decompress(result, cctx)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        out = allreduce(
-            grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.process_set
-        )
-        return out, None, None, None, None, None
-
-
-def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
-) -> int:
-    """Start in-place allreduces of several tensors as one operation; `synchronize` returns the list."""
-    op = _op(op, average, "grouped_allreduce_async_")
-    handles = [
-        _allreduce_start(t, t, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set)
-        for t in tensors
-    ]
-    return _register(_Handle(None, lambda: [h.wait() for h in handles]))
-
-
-def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
-) -> int:
-    copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
-) -> list[torch.Tensor]:
-    return synchronize(
-        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
-    )
-
-
-def grouped_allreduce(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Any = Compression.none,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
-) -> list[torch.Tensor]:
-    """Allreduce several tensors at once; new tensors come back, in order (autograd passes through, as for
-    `allreduce`: Horovod's `HorovodGroupedAllreduce`)."""
-    op = _op(op, average, "grouped_allreduce")
-    pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduceFn.apply(op, prescale_factor, postscale_factor, process_set, *[p[0] for p in pairs])
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
-
-
-class _GroupedAllreduceFn(torch.autograd.Function):
-    """Horovod's `HorovodGroupedAllreduce`: the gradients are allreduced the same way, as one group."""
-
-    @staticmethod
-    def forward(ctx: Any, op: int, pre: float, post: float, process_set: Any, *tensors: torch.Tensor) -> Any:
-        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
-        copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-        return tuple(grouped_allreduce_(copies, None, None, op, pre, post, process_set))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = grouped_allreduce(
-            list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.process_set
-        )
-        return (None, None, None, None, *reduced)

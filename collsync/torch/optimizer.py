@@ -80,6 +80,10 @@ class _Distributed:
     def step(self, closure: Any = None) -> Any:
         return self._collsync.step(super().step, closure, self._should_synchronize)  # type: ignore[misc]
 
+    def _local_step(self) -> Any:
+        """The wrapped class's own step, without synchronising (`broadcast_optimizer_state`'s first step)."""
+        return super().step()  # type: ignore[misc]
+
     def synchronize(self) -> None:
         self._collsync.synchronize()
 
