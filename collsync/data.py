@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from collsync.bundled import digits_arrays
+from collsync.datapath import existing
 
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 """The arrays `npz` expects: features (any shape, first axis = rows) and integer labels 0..classes-1."""
@@ -203,19 +204,13 @@ def synthetic(
     return _split("synthetic", x, y, test_fraction, seed, classes=classes)
 
 
-def _exists(name: str, path: Path) -> Path:
-    if not path.exists():
-        raise FileNotFoundError(f"{name}: path={str(path)!r} does not exist")
-    return path
-
-
 def npz(path: str, flatten: bool = True) -> Dataset:
     """A local .npz holding the arrays `x_train`, `y_train`, `x_test`, `y_test` (see `NPZ_KEYS`).
 
     Features may have any per-row shape (flattened unless `flatten=False`); labels are whole numbers
     0..classes-1, and `classes` is the largest label + 1. Write one with `np.savez(path, x_train=..., ...)`.
     """
-    file = _exists("npz", Path(path))
+    file = existing("npz", Path(path))
     where = f"npz: path={str(file)!r}"
     if file.is_dir():
         raise ValueError(f"{where} is a folder, not an .npz archive of {list(NPZ_KEYS)}")
@@ -290,7 +285,7 @@ def mnist(path: str, flatten: bool = True) -> Dataset:
     Any data set in MNIST's IDX layout and file names (e.g. Fashion-MNIST) loads the same way. `flatten=False` gives
     (1, 28, 28) images.
     """
-    folder = _exists("mnist", Path(path))
+    folder = existing("mnist", Path(path))
     files = [_find_idx(folder, stem) for stem in _MNIST_STEMS]
     xtr, ytr, xte, yte = (_read_idx(f) for f in files)
     for images, labels, fi, fl in ((xtr, ytr, files[0], files[1]), (xte, yte, files[2], files[3])):
@@ -314,7 +309,7 @@ def cifar10(path: str, flatten: bool = False) -> Dataset:
     major), so a record reshapes directly to (3, 32, 32). Pixels are scaled to [0, 1]. `path` may also be the folder
     that holds the extracted `cifar-10-batches-bin`.
     """
-    folder = _exists("cifar10", Path(path))
+    folder = existing("cifar10", Path(path))
     if not (folder / "data_batch_1.bin").exists() and (folder / "cifar-10-batches-bin").is_dir():
         folder = folder / "cifar-10-batches-bin"
 

@@ -130,6 +130,7 @@ ROWS = [
     Row("npz-pickled", ["data=npz", "data.path={files}/pickled.npz"], "pickled.npz': array 'x_train' cannot be read"),
     Row("npz-one-array", ["data=npz", "data.path={files}/one.npy"], "one.npy' holds a single array"),
     Row("npz-folder", ["data=npz", "data.path={files}"], "is a folder, not an .npz archive"),
+    Row("npz-fifo", ["data=npz", "data.path={files}/fifo.npz"], "fifo.npz' is a named pipe, socket or device, not a"),
     Row("mnist-empty", ["data=mnist", "data.path={files}/mnist"], "has no train-images-idx3-ubyte"),
     Row("cifar-size", ["data=cifar10", "data.path={files}/cifar"], "not a whole number of 3073-byte records"),
     # Errors once training started, with the progress bar on.
@@ -271,6 +272,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "cifar").mkdir()
     for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
         (d / "cifar" / name).write_bytes(b"\0" * 100)
+    os.mkfifo(d / "fifo.npz")  # issue 36: opening it would block until a writer comes
     (d / "a-file").write_text("a regular file where a folder should be\n")
     (d / "empty-run").mkdir()
     (d / "empty-run" / "trace.jsonl").write_text("")
