@@ -129,6 +129,7 @@ def allreduce(
     """The Average (default) or Sum of `tensor` over the workers, as a new tensor (autograd passes through:
     the gradient of an allreduce is the allreduce of the gradient, as in Horovod)."""
     op = _op(op, average, "allreduce")
+    _check(tensor, "allreduce")  # before autograd's Function, which would fail on tensor.detach()
     return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set)
 
 

@@ -101,6 +101,7 @@ def init(
     if process_sets is not None:
         raise NotImplementedError("collsync.torch.init: process sets are not supported (process_sets=...)")
     config = sync_config(sync) if sync is not None else None
+    asked = {"sync": config, "servers": servers, "backend": backend, "deadline": deadline}
     if deadline is None:
         deadline = config.policy.deadline if config is not None else DEADLINE
     startup.arm("collsync", deadline)  # MPI_Init (the import below) waits for every rank: bounded by the deadline
@@ -108,7 +109,7 @@ def init(
 
     startup.mpi_up()
     if _STATE is not None:
-        return  # Horovod allows init() more than once
+        return _again(_STATE, asked)  # Horovod allows init() more than once
     world = _world_comm(MPI, comm)
     servers = _servers(servers, config, world.Get_size())
     backend = _backend(backend, config)
@@ -155,6 +156,26 @@ def _serve(st: World) -> None:
 
     _STATE = st
     serve_forever(st)
+
+
+def _again(st: World, asked: dict[str, Any]) -> None:
+    """A second `init()`: the same options again (or none) are fine, as under Horovod; another sync mode, servers,
+    backend or deadline would be ignored silently (the world is made once), so it is refused naming both."""
+    first = {"sync": st.sync or sync_config("bsp"), "servers": st.servers, "backend": st.backend}
+    for key, value in asked.items():
+        was = first.get(key, st.deadline)
+        if value is not None and value != was:
+            raise ValueError(
+                f"collsync.torch.init: {key}={_shown(value)} differs from {key}={_shown(was)} of the first init(); "
+                "the world is set up once: pass the same options, or none, to a second init()"
+            )
+
+
+def _shown(value: Any) -> str:
+    """An init() option as a script writes it: a sync mode by its name and the options it was given."""
+    if not isinstance(value, SyncConfig):
+        return repr(value)
+    return repr(value.name) + (f" with {value.given}" if value.given else "")
 
 
 def _world_comm(MPI: Any, comm: Any) -> Any:  # noqa: N803 - the module's own name

@@ -79,6 +79,8 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
     has the key: a plain dict with `_target_`, picklable, so a server rank can build the same object."""
     from omegaconf import DictConfig, OmegaConf  # lazily, as Hydra: only where a mode is built from its YAML file
 
+    from collsync.schema import _checked, _factory
+
     path = files("collsync.conf").joinpath(group, f"{name}.yaml")
     if not path.is_file():
         known = sorted(
@@ -93,6 +95,10 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
             keys = [k for k in node if not str(k).startswith("_")]
             raise ValueError(f"{group}={name}: unknown option {key}={value!r} (options: {', '.join(map(str, keys))})")
         node[key] = value
+    # Typed as collsync-train types them (the factory's annotations): one line naming the key, not Hydra's wrapper.
+    hints = _factory(str(node._target_))[1]
+    for key in options:
+        _checked(node, key, f"{group}={name}: {key}", hints.get(key, Any))
     for key, value in (extra or {}).items():
         if key in node:
             node[key] = value

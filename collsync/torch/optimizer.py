@@ -52,6 +52,12 @@ from collsync.torch.config import SyncConfig, sync_config
 
 def _params(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[torch.Tensor]:
     """The optimizer's trainable parameters; `named_parameters`, when given, must cover them (as Horovod checks)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):  # a model (or its parameters) passed where it goes
+        raise TypeError(
+            f"DistributedOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; pass the "
+            "optimizer built on the model's parameters, e.g. DistributedOptimizer(torch.optim.SGD(model.parameters(), "
+            "lr=0.01), named_parameters=model.named_parameters())"
+        )
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if named_parameters is None:
         return params
