@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from collsync.ending import end, stop_now
+from collsync.runtime import startup
 from collsync.runtime.spec import SIZE_VARS, launched_under_mpi
 
 if TYPE_CHECKING:
@@ -183,6 +184,9 @@ def hello(comm: MPI.Comm, deadline: float | None) -> list[str]:
     if not _poll(request, None if deadline is None else time.monotonic() + deadline):
         missing = roll_call(comm, ROLL_WINDOW_S if deadline is None else min(ROLL_WINDOW_S, max(1.0, deadline)))
         arrived = [r for r in range(comm.Get_size()) if r not in missing]
+        if not missing and deadline is not None:  # every rank timed out, then answered the roll call: too short
+            late = f"every rank of {comm.Get_size()} arrived, but not within deadline={deadline:g}s of this one"
+            raise RankLost(f"{rank_prefix(comm)}: start-up: {late}: {startup.too_short(deadline)}")
         raise RankLost(
             f"{rank_prefix(comm)}: start-up: rank(s) {', '.join(map(str, missing))} of {comm.Get_size()} did not "
             f"arrive within deadline={deadline:g}s (stopped, hung or dead; arrived: ranks {_ranges(arrived)})"

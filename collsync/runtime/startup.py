@@ -134,7 +134,28 @@ def line(prog: str, deadline: float, env: Mapping[str, str] | None = None, host:
         f"{prog}: rank {launcher_rank(env)} of {size} on {host or socket.gethostname()}: start-up: MPI's start-up "
         f"(MPI_Init) did not complete within deadline={deadline:g}s: it waits until all {size} ranks the launcher "
         f"announced{announced} have started, and one never did (a node that hangs, a process stopped or dead); "
-        f"this rank exits (status 1) so that the launcher ends the job"
+        f"this rank exits (status 1) so that the launcher ends the job{_short_hint(deadline)}"
+    )
+
+
+# Below this, a deadline is likely shorter than a start-up itself (importing torch, MPI_Init): seconds on a busy node.
+SHORT_S = 60.0
+
+
+def _short_hint(deadline: float) -> str:
+    """What the MPI_Init line adds under a short deadline: every rank may have started, only later than it."""
+    if deadline >= SHORT_S:
+        return ""
+    return f"; if every rank says so, they may all have started, only later: {too_short(deadline)}"
+
+
+def too_short(deadline: float) -> str:
+    """Why every rank can arrive and still miss the deadline, and the value to give instead: a start-up that takes
+    longer than `deadline` is no lost rank, and restarting on fewer ranks would not help."""
+    value = f"{max(SHORT_S, 10 * deadline):g}"
+    return (
+        f"deadline={deadline:g}s is too short for the start-up: give sync.deadline={value} or more "
+        f"(collsync.torch: init(deadline={value}))"
     )
 
 

@@ -88,6 +88,39 @@ def test_the_line_names_the_rank_the_size_the_launcher_announced_and_the_host():
     assert "within deadline=15s" in text and "(OMPI_COMM_WORLD_SIZE=4)" in text
 
 
+def test_a_short_deadline_is_named_as_too_short_for_the_start_up(monkeypatch):
+    """Issue 36: under a deadline shorter than a start-up takes, every rank may arrive late: the MPI_Init line says
+    so beside its own reading, and the exchange, whose roll call finds every rank, says only that (no empty list
+    of lost ranks), with a value to give instead. A long deadline's line is unchanged."""
+    env = {"PMI_SIZE": "3", "PMI_RANK": "1"}
+    assert startup.line("collsync-train", 0.01, env, "node7").endswith(
+        "; if every rank says so, they may all have started, only later: deadline=0.01s is too short for the "
+        "start-up: give sync.deadline=60 or more (collsync.torch: init(deadline=60))"
+    )
+    assert startup.line("collsync-train", 600.0, env, "node7").endswith("so that the launcher ends the job")
+
+    class Never:
+        def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+            return False
+
+    class Comm:
+        def Get_size(self) -> int:  # noqa: N802 - mpi4py's name
+            return 3
+
+        def Iallgather(self, *buffers: object) -> Never:  # noqa: N802 - mpi4py's name
+            return Never()
+
+    monkeypatch.setattr(mpi_world, "roll_call", lambda comm, window: [])
+    monkeypatch.setattr(mpi_world, "rank_prefix", lambda comm: "collsync-train: rank 0 of 3 on node7")
+    with pytest.raises(mpi_world.RankLost) as caught:
+        mpi_world.hello(Comm(), 0.01)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "collsync-train: rank 0 of 3 on node7: start-up: every rank of 3 arrived, but not within deadline=0.01s of "
+        "this one: deadline=0.01s is too short for the start-up: give sync.deadline=60 or more (collsync.torch: "
+        "init(deadline=60))"
+    )
+
+
 def test_the_backstop_on_the_exchange_comes_after_its_own_report():
     """Once MPI is up, `hello` waits `deadline`, then its roll call (up to ROLL_WINDOW_S), then reports (3 s for a
     rank other than 0, 1 s before MPI_Abort): the backstop leaves room beyond all of it."""
