@@ -247,6 +247,9 @@ def choose_backups(path: Path) -> str:
     """The text `--choose-backups RUN` prints (see `collsync.backups`)."""
     from collsync.backups import NotFullRounds, format_predictions, predict, worker_arrivals
 
+    if not (path / "trace.jsonl").is_file():  # a sweep folder, or none: find_runs names a path without runs
+        runs = find_runs([path])
+        raise ReportError(f"--choose-backups {path}: a sweep of {len(runs)} run(s): name one run, e.g. {runs[0]}")
     run = read_run(path)
     try:
         predictions = predict(run.trace)

@@ -139,8 +139,12 @@ def read_run(path: Path) -> Run:
     trace_path = path / "trace.jsonl"
     try:
         trace = Trace.read_jsonl(trace_path)
-    except (OSError, ValueError) as exc:
-        raise ReportError(f"{trace_path} is not a valid trace: {exc!r}") from exc
+    except UnicodeDecodeError:  # its message would quote the binary
+        raise ReportError(f"{trace_path} is binary, not a trace (JSON lines of text)") from None
+    except OSError as exc:
+        raise ReportError(f"{trace_path} cannot be read: {exc!r}") from exc
+    except ValueError as exc:
+        raise ReportError(f"{trace_path} is not a valid trace: {exc}") from exc
     if not trace.events:
         raise ReportError(f"{trace_path} is empty: the run recorded no events (did it stop before training?)")
     clock = run_clock(path)

@@ -64,6 +64,13 @@ class Trace:
     def read_jsonl(cls, path: str | Path) -> Trace:
         trace = cls()
         trace.clock_kind = None
-        with open(path) as f:
-            trace.events = [json.loads(line) for line in f if line.strip()]
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    trace.events.append(json.loads(line))
+                except ValueError as exc:  # a line cut off where a killed run stopped writing, or not JSON at all
+                    cut = "" if line.endswith("\n") else " (cut off: the run was killed while writing it?)"
+                    raise ValueError(f"line {number} is not a JSON event{cut}: {exc}") from None
         return trace

@@ -164,6 +164,24 @@ ROWS = [
     # collsync-report on a run that recorded nothing, and on a folder that is not there.
     Row("report-empty-trace", ["{files}/empty-run"], "empty-run/trace.jsonl is empty", entry="collsync-report"),
     Row("report-no-folder", ["{files}/no-run"], "{files}/no-run: no such file or folder", entry="collsync-report"),
+    Row(
+        "report-torn-trace",
+        ["{files}/torn-run"],
+        "torn-run/trace.jsonl is not a valid trace: line 2 is not a JSON event (cut off: the run was killed while",
+        entry="collsync-report",
+    ),
+    Row(
+        "report-binary-trace",
+        ["{files}/binary-run"],
+        "binary-run/trace.jsonl is binary, not a",
+        entry="collsync-report",
+    ),
+    Row(
+        "report-choose-sweep",
+        ["--choose-backups", "{files}/sweep"],
+        "--choose-backups {files}/sweep: a sweep of 2 run(s): name one run, e.g. {files}/sweep/0",
+        entry="collsync-report",
+    ),
     # Issue 25: four bad inputs once answered with a traceback or not at all.
     Row(
         "checkpoint-text",
@@ -301,6 +319,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (d / "good-run").mkdir()
     good.write_jsonl(d / "good-run" / "trace.jsonl")
+    # Issue 36: a trace cut off inside its last line (a run killed while writing it), a binary one, a sweep of two.
+    lines = (d / "good-run" / "trace.jsonl").read_text()
+    for name, content in (
+        ("torn-run", lines[: lines.index("\n") + 20].encode()),
+        ("binary-run", bytes(range(128, 256))),
+    ):
+        (d / name).mkdir()
+        (d / name / "trace.jsonl").write_bytes(content)
+    for job in ("0", "1"):
+        shutil.copytree(d / "good-run", d / "sweep" / job)
     return d
 
 
