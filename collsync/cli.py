@@ -27,6 +27,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf import errors as oc_errors
 
@@ -143,9 +144,32 @@ def _train(cfg: DictConfig) -> float | None:
         message = user_error(exc)
         if message is None:
             raise
+        if _member_failed(message):
+            return None
         _fail(message)
     # Returned for Hydra sweepers (e.g. an optimizer sweep minimising test error).
     return None if result is None else 1.0 - float(result.get("final_acc") or 0.0)
+
+
+# The sweep members (Hydra's job numbers) that failed on a user error: the sweep ran on, and the exit status is 2.
+_FAILED_MEMBERS: list[int] = []
+
+
+def _member_failed(message: str) -> bool:
+    """A sweep member's user error where one process runs the members in turn (`-m` with Hydra's basic launcher,
+    no MPI): one line naming the member, and the sweep goes on, since the members after it are runs of their own
+    (`-m sync.backups=1,8,2` runs 1 and 2). False where the error ends the process: a single run, or under MPI,
+    where a rank alone meeting it would leave the others in another member."""
+    config = HydraConfig.get()
+    if config.mode != RunMode.MULTIRUN or launched_under_mpi():
+        return False
+    if config.runtime.choices.get("hydra/launcher") != "basic":
+        return False
+    _close_progress_bars()
+    said = " ".join(config.overrides.task)
+    print(f"collsync-train: error: sweep member {config.job.num} ({said}): {message}", file=sys.stderr, flush=True)
+    _FAILED_MEMBERS.append(int(config.job.num))
+    return True
 
 
 def _close_progress_bars() -> None:
@@ -287,6 +311,10 @@ def train() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _train()
+        if _FAILED_MEMBERS:  # named above, one line each; the members after them ran
+            failed = ", ".join(map(str, _FAILED_MEMBERS))
+            print(f"collsync-train: the sweep ran every member; member(s) {failed} failed (above)", file=sys.stderr)
+            sys.exit(2)
     except Exception as exc:  # noqa: BLE001 - sorted into user errors and bugs just below
         cause = _os_error_in(exc)
         if cause is not None:

@@ -545,3 +545,25 @@ def test_resume_auto_on_a_finished_run_trains_nothing(tmp_path: Path, files: Pat
     longer = Row("longer", [*args, "steps=7", f"hydra.run.dir={run}"], "")
     assert launch(longer, tmp_path / "longer", files, zygote)[0] == 0
     assert json.loads((run / "summary.json").read_text())["updates"] == 7
+
+
+def test_a_sweep_member_that_fails_does_not_stop_the_others(tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
+    """Issue 36: `-m sync.backups=1,8,2`: member 1 is refused in one line naming it, members 0 and 2 train, and the
+    exit status is 2 once the sweep is over."""
+    sweep = tmp_path / "mnt" / "sweep"
+    argv = ["-m", *BASE, "sync=backup", "sync.backups=1,8,2", "plots=false", f"hydra.sweep.dir={sweep}"]
+    if zygote is not None:  # `launch` puts its overrides first; -m goes before them
+        status, out, err = zygote.run(ENTRIES["collsync-train"], ["collsync-train", *argv], clean_env(), tmp_path)
+    else:
+        script = "import sys; from collsync.cli import train; sys.exit(train())"
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env()
+        )
+        status, out, err = proc.returncode, proc.stdout, proc.stderr
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    errors = [line for line in shown_lines(out + err) if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("collsync-train: error: sweep member 1 ("), errors
+    assert " sync.backups=8 " in errors[0], errors[0]
+    assert errors[0].endswith("): backup: backups=8 must be < workers=8"), errors[0]
+    assert "the sweep ran every member; member(s) 1 failed (above)" in err
+    assert [(sweep / job / "trace.jsonl").is_file() for job in "012"] == [True, False, True]
