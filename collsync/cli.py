@@ -99,8 +99,11 @@ def _missing_option(exc: MissingConfigException) -> str:
     group, _, option = str(exc.missing_cfg_file).rpartition("/")
     if not group:
         return _one_line(str(exc).split("Config search path:")[0])
+    from collsync.suggest import did_you_mean
+
     options = ", ".join(exc.options or [])
-    return f"{group}={option}: no such option of {group}" + (f" (options: {options})" if options else "")
+    said = f"{group}={option}: no such option of {group}{did_you_mean(option, exc.options or [])}"
+    return said + (f" (options: {options})" if options else "")
 
 
 def _omegaconf_error(exc: oc_errors.OmegaConfBaseException) -> str:

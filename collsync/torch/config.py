@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from collsync.margin import check_margin
 from collsync.policy import SyncPolicy
+from collsync.suggest import did_you_mean
 
 MODES = ("bsp", "backup", "async", "ssp", "psp", "bfasgd", "specsync")
 PENALTIES = ("none", "staleness_aware", "staleness_aware_step", "gap_aware")
@@ -86,14 +87,17 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
         known = sorted(
             p.name[:-5] for p in files("collsync.conf").joinpath(group).iterdir() if p.name.endswith(".yaml")
         )
-        raise ValueError(f"{group}={name!r} is not one of {', '.join(known)}")
+        raise ValueError(f"{group}={name!r} is not one of {', '.join(known)}{did_you_mean(name, known)}")
     node = OmegaConf.load(str(path))
     assert isinstance(node, DictConfig)  # every option's file is a mapping
     node.pop("defaults", None)  # a sync mode's default optimizer (conf/sync/async.yaml) is for collsync-train
     for key, value in options.items():
         if key not in node or key.startswith("_"):
             keys = [k for k in node if not str(k).startswith("_")]
-            raise ValueError(f"{group}={name}: unknown option {key}={value!r} (options: {', '.join(map(str, keys))})")
+            raise ValueError(
+                f"{group}={name}: unknown option {key}={value!r}{did_you_mean(key, map(str, keys))} "
+                f"(options: {', '.join(map(str, keys))})"
+            )
         node[key] = value
     # Typed as collsync-train types them (the factory's annotations): one line naming the key, not Hydra's wrapper.
     hints = _factory(str(node._target_))[1]
@@ -189,7 +193,7 @@ def _policy(sync: Any, options: dict[str, Any]) -> SyncPolicy:
     if not isinstance(sync, str):
         raise TypeError(f"sync must be a mode name, a SyncPolicy or a SyncConfig, got {type(sync).__name__}")
     if sync not in MODES:
-        raise ValueError(f"sync={sync!r} is not one of {', '.join(MODES)}")
+        raise ValueError(f"sync={sync!r} is not one of {', '.join(MODES)}{did_you_mean(sync, MODES)}")
     if sync == "ssp" and "max_lead" not in options:
         options["max_lead"] = SSP_MAX_LEAD
     return cast(SyncPolicy, build(_node("sync", sync, options)))
@@ -228,7 +232,7 @@ def _penalty_node(penalty: Any, options: dict[str, Any]) -> dict[str, Any] | Non
             raise ValueError("penalty_options are for a penalty given by name (penalty='gap_aware', ...)")
         return None
     if penalty not in PENALTIES:
-        raise ValueError(f"penalty={penalty!r} is not one of {', '.join(PENALTIES)}")
+        raise ValueError(f"penalty={penalty!r} is not one of {', '.join(PENALTIES)}{did_you_mean(penalty, PENALTIES)}")
     return {"name": penalty, "given": sorted(options), **_node("penalty", penalty, dict(options))}
 
 

@@ -69,6 +69,8 @@ ROWS = [
     Row("unknown-sync", ["sync=nope"], "sync=nope: no such option of sync (options: async, backup, bfasgd"),
     Row("unknown-optimizer", ["optimizer=adamw"], "optimizer=adamw: no such option of optimizer"),
     Row("unknown-method", ["method=nope"], "method=nope: no such option of method"),
+    Row("sync-typo", ["sync=asynch"], "sync=asynch: no such option of sync (did you mean 'async'?) (options: async,"),
+    Row("method-typo", ["method=danaa"], "method=danaa: no such option of method (did you mean 'dana' or"),
     Row("override-syntax", ["optimizer.lr=["], "optimizer.lr=[: no viable alternative"),
     Row("added-key", ["+optimizer.foo=1"], "optimizer.foo=1: optimizer (collsync.rules.momentum) has no key 'foo'"),
     # The schema: types, against RunConfig and the factories' annotations.

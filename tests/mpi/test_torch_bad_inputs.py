@@ -46,3 +46,12 @@ def test_a_second_init_asking_for_another_world_is_refused_the_same_again_is_fin
     with pytest.raises(ValueError, match=r"init: deadline=5 differs from deadline=600"):
         hvd.init(deadline=5)
     assert hvd.is_initialized() and hvd.servers() == 0
+
+
+def test_a_mistyped_name_gets_the_close_one():
+    with pytest.raises(ValueError, match=r"sync='asynch' is not one of .* \(did you mean 'async'\?\)$"):
+        hvd.init(sync="asynch")
+    with pytest.raises(ValueError, match=r"unknown option backup=1 \(did you mean 'backups'\?\) \(options: "):
+        sync_config("backup", backup=1)
+    with pytest.raises(ValueError, match=r"penalty='gap-aware' is not one of .* \(did you mean 'gap_aware'\?\)$"):
+        sync_config("async", penalty="gap-aware")
