@@ -70,6 +70,8 @@ def user_error(exc: BaseException) -> str | None:
         return _failed_job(str(exc))
     if isinstance(exc, OverrideParseException):
         detail = exc.message.splitlines()[0] if exc.message else "does not parse"
+        if detail.startswith("LexerNoViableAltException"):
+            detail = _unquoted(str(exc.override))
         return f"{exc.override}: {detail} (Hydra's override grammar: key=value, group=option, +key=value)"
     if isinstance(exc, RunFolderError):
         return str(exc)
@@ -87,6 +89,16 @@ def user_error(exc: BaseException) -> str | None:
             text = f"{text} {_omegaconf_error(cause)}"
         return _one_line(text)
     return None
+
+
+def _unquoted(override: str) -> str:
+    """What Hydra's lexer means when it stops on a character: `~` that no shell expanded (after `key=`, where the key
+    has a dot, bash leaves it), or a character Hydra's grammar takes only inside quotes."""
+    key, _, value = override.partition("=")
+    if value.startswith("~"):
+        full = Path(value).expanduser()
+        return f"~ is not expanded here (the shell leaves it after {key}=): give the full path, {key}={full}"
+    return f"holds a character Hydra takes only inside quotes: quote the value, '{key}=\"{value}\"'"
 
 
 def _one_line(text: str) -> str:

@@ -344,6 +344,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         code = supervise(ns.launcher, ns.np, ns.min_np, ns.restarts, ns.command)
     except (ValueError, OSError) as exc:
+        launcher = shlex.split(ns.launcher)[:1]
+        if isinstance(exc, FileNotFoundError) and exc.filename is not None and [exc.filename] == launcher:
+            exc = ValueError(  # the launcher itself: name the flag and what it takes
+                f"--launcher {ns.launcher!r}: {exc.filename!r} is no command here (not on PATH, not a file): give "
+                "mpiexec (the venv's, the default), srun, or a path to one, with its own options"
+            )
         _say(f"error: {exc}")
         code = 2
     sys.exit(code)

@@ -72,6 +72,8 @@ ROWS = [
     Row("sync-typo", ["sync=asynch"], "sync=asynch: no such option of sync (did you mean 'async'?) (options: async,"),
     Row("method-typo", ["method=danaa"], "method=danaa: no such option of method (did you mean 'dana' or"),
     Row("override-syntax", ["optimizer.lr=["], "optimizer.lr=[: no viable alternative"),
+    Row("path-tilde", ["data.path=~/x.npz"], "data.path=~/x.npz: ~ is not expanded here (the shell leaves it after"),
+    Row("value-unquoted", ["data.path=x&y"], "data.path=x&y: holds a character Hydra takes only inside quotes: quote"),
     Row("added-key", ["+optimizer.foo=1"], "optimizer.foo=1: optimizer (collsync.rules.momentum) has no key 'foo'"),
     # The schema: types, against RunConfig and the factories' annotations.
     Row("lr-text", ["optimizer.lr=abc"], "optimizer.lr='abc' is not a number"),

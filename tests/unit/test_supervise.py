@@ -19,11 +19,13 @@ from collsync.rules import sgd
 from collsync.runs.resume import refit
 from collsync.server import Server
 from collsync.supervise import (
+    FORWARDED,
     Outcome,
     _from_steps,
     decide,
     launch_command,
     lost_ranks,
+    main,
     observe,
     parse,
     resumed,
@@ -221,3 +223,20 @@ def test_refit_carries_the_server_over_to_fewer_workers() -> None:
     counts = check_trace(resumed_trace, policy, 2)
     assert counts == {"pushed": 15, "applied": 14, "dropped": 1, "updates": 5}
     assert saved["server"]["pending"]  # the checkpoint itself is left as it was
+
+
+def test_a_launcher_that_is_no_command_is_named_with_the_flag(tmp_path, capsys):
+    """Issue 36: `--launcher foo` is one line naming the flag and the launchers it takes, not the OS's bare
+    "[Errno 2] No such file or directory: 'foo'"."""
+    previous = {s: signal.getsignal(s) for s in FORWARDED}
+    try:
+        with pytest.raises(SystemExit) as caught:
+            main(["-n", "2", "--launcher", "foo -x", "--", "collsync-train", f"hydra.run.dir={tmp_path / 'run'}"])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert caught.value.code == 2
+    assert capsys.readouterr().err == (
+        "collsync-run: error: --launcher 'foo -x': 'foo' is no command here (not on PATH, not a file): give mpiexec "
+        "(the venv's, the default), srun, or a path to one, with its own options\n"
+    )
