@@ -32,8 +32,25 @@ def rank0_keeper(launch: Launch, disabled: str | None = None) -> tuple[Keeper | 
     if launch.comm.Get_rank() != 0:
         return None, None
     kept = keeper(launch.parts, launch.out_dir, disabled=disabled)
-    saved = kept.resumed()
+    saved = resumed(kept, launch.parts)
     return kept, None if saved is None else refit(saved, launch.workers)
+
+
+def resumed(kept: Keeper, parts: Parts) -> Payload | None:
+    """`kept.resumed()`, refused when the other kind of runtime wrote it: the simulator's checkpoint holds its
+    clock, event queue and workers (`driver`), an MPI run's none, and the one counts simulated seconds, the other
+    wall seconds, which one trace or summary cannot mix (`runtime=auto` is the one or the other by the launch)."""
+    saved = kept.resumed()
+    if saved is None:
+        return None
+    names = {True: "the simulator (simulated seconds)", False: "an MPI run (wall seconds)"}
+    there, here = bool(saved.get("driver")), parts.runtime.kind == "sim"
+    if there != here:
+        raise ValueError(
+            f"resume: {kept.source} was written by {names[there]}, and this run is {names[here]}: a run goes on "
+            "only in the kind of runtime that wrote it (start afresh without resume=, or resume it as it was run)"
+        )
+    return saved
 
 
 def refit(saved: Payload, workers: int) -> Payload:

@@ -12,7 +12,7 @@ from collsync.flat import FlatModel
 from collsync.loops import Gradients
 from collsync.rundir import write_run
 from collsync.runs.parts import Parts, check_fit, keep_on_failure, make_server, progress
-from collsync.runs.resume import keeper, restore, state
+from collsync.runs.resume import keeper, restore, resumed, state
 from collsync.sim import Simulator
 
 
@@ -21,7 +21,7 @@ def run_simulated(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any
     run, workers = parts.run, parts.runtime.workers
     check_fit(parts, workers)
     kept = keeper(parts, out_dir)
-    saved = kept.resumed()
+    saved = resumed(kept, parts)
     sim = Simulator(workers, parts.stragglers, run.seed)
     server = make_server(parts, flat, workers, sim.trace)
     grads = Gradients(flat, Batches(parts.data, workers, run.batch_size, run.seed))

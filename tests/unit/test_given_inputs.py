@@ -15,6 +15,7 @@ import pytest
 from collsync import checkpoint, rundir, schema
 from collsync.data import npz
 from collsync.runs.parts import Parts, _check_injected
+from collsync.runs.resume import resumed
 from collsync.stragglers import gamma_heterogeneous, none
 from collsync.train import _check_given_workers
 
@@ -113,3 +114,31 @@ def test_an_injected_delay_past_the_deadline_is_refused() -> None:
         _check_injected(_parts(1e6, 1.0, 600.0))
     _check_injected(_parts(0.01, 1.0, 600.0))
     _check_injected(_parts(1e6, 1.0, None))  # no deadline: waits as long as it takes, as asked
+
+
+@pytest.mark.parametrize(
+    ("driver", "kind", "refused"),
+    [
+        (
+            {"now": 1.0},
+            "mpi",
+            "written by the simulator (simulated seconds), and this run is an MPI run (wall seconds)",
+        ),
+        ({}, "sim", "written by an MPI run (wall seconds), and this run is the simulator (simulated seconds)"),
+        ({"now": 1.0}, "sim", ""),
+        ({}, "mpi", ""),
+        ({}, "partial", ""),
+    ],
+)
+def test_resume_across_runtimes_is_refused_naming_both(driver: dict[str, Any], kind: str, refused: str) -> None:
+    """Issue 36: a simulator's checkpoint resumed under MPI mixed simulated and wall seconds in one summary; an MPI
+    checkpoint resumed in the simulator ended in KeyError 'workers'. Each is refused naming both runtimes."""
+    saved = {"version": 3, "driver": driver}
+    kept = SimpleNamespace(resumed=lambda: saved, source=Path("run") / "checkpoint.pt")
+    parts = cast(Parts, SimpleNamespace(runtime=SimpleNamespace(kind=kind)))
+    if not refused:
+        assert resumed(cast(checkpoint.Keeper, kept), parts) is saved
+        return
+    with pytest.raises(ValueError, match=r"^resume: run/checkpoint.pt was ") as caught:
+        resumed(cast(checkpoint.Keeper, kept), parts)
+    assert refused in str(caught.value)
