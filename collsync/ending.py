@@ -26,6 +26,7 @@ import atexit
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,6 +183,15 @@ def abort_at_exit(comm: MPI.Comm, status: int = 0) -> None:
     _hook()
 
 
+def _quiet_usr1() -> None:
+    """At exit, SIGUSR1 is ignored. The run is over, so Slurm's "checkpoint and stop" has nothing left to stop; and
+    MPICH's Hydra (`-disable-auto-cleanup`) sends SIGUSR1 to the ranks still running once one leaves without
+    `MPI_Finalize` (a rank lost, or one that left first), while Python's finalization puts a handler it installed
+    back to the default, which kills: a run that finished and wrote its folder then ended with status 10."""
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def leaving() -> bool:
     """Whether this process ends without `MPI_Finalize` (a rank was lost): then nothing waits for every rank."""
     return _RECORD.mode != "finish"
@@ -189,6 +199,7 @@ def leaving() -> bool:
 
 def _at_exit() -> None:
     record = _RECORD
+    _quiet_usr1()
     for first in list(record.first):
         first()
     if record.mode == "abort":

@@ -89,3 +89,18 @@ def test_a_stop_request_is_held_until_cleared():
     assert ending.stop_requested() == 15
     ending.clear_stop()
     assert ending.stop_requested() is None
+
+
+def test_sigusr1_is_ignored_once_the_exit_hook_ran():
+    """A finished rank that gets SIGUSR1 while it exits (MPICH's notice that another rank left without
+    MPI_Finalize) must not die of it: Python's finalization puts the stop handler back to the default, which kills
+    (status 10). So the exit hook ignores it; an exit function that runs after it (registered before) sees that."""
+    proc = _run(
+        "import atexit, signal\n"
+        "from collsync import checkpoint\n"
+        "atexit.register(lambda: print(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN, flush=True))\n"
+        "checkpoint.install()\n"
+        "ending.at_exit(lambda: print(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN, flush=True))\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]
