@@ -82,7 +82,13 @@ def cnn(
     """
     shape = _shape("cnn", input_shape)
     if len(shape) != 3:
-        raise ValueError(f"cnn: input_shape={shape} must be (C, H, W); load the data with flatten=false")
+        # Where the data are images the loader flattened, `flatten=false` is the fix; rows stored flat have no
+        # image shape to give back, whatever `flatten` says.
+        raise ValueError(
+            f"cnn: input_shape={shape} must be (C, H, W): load image data with data.flatten=false; data stored as "
+            f"flat rows of {shape[0] if len(shape) == 1 else shape} features have no image shape (save them as "
+            "(N, C, H, W), or use model=mlp)"
+        )
     widths = [int(c) for c in channels]
     if classes < 2:
         raise ValueError(f"cnn: {classes=} must be >= 2")

@@ -135,6 +135,11 @@ ROWS = [
     Row("npz-one-array", ["data=npz", "data.path={files}/one.npy"], "one.npy' holds a single array"),
     Row("npz-folder", ["data=npz", "data.path={files}"], "is a folder, not an .npz archive"),
     Row("npz-fifo", ["data=npz", "data.path={files}/fifo.npz"], "fifo.npz' is a named pipe, socket or device, not a"),
+    Row(
+        "npz-flat-rows-cnn",
+        ["data=npz", "data.path={files}/flat.npz", "model=cnn", "data.flatten=false"],
+        "data stored as flat rows of 2 features have no image shape",
+    ),
     Row("mnist-empty", ["data=mnist", "data.path={files}/mnist"], "has no train-images-idx3-ubyte"),
     Row("cifar-size", ["data=cifar10", "data.path={files}/cifar"], "not a whole number of 3073-byte records"),
     # Errors once training started, with the progress bar on.
@@ -285,6 +290,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "empty.npz").write_bytes(b"")
     (d / "random.npz").write_bytes(np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8).tobytes())
     np.savez(d / "nan.npz", **{**ok, "x_train": np.array([[1.0, np.nan]] * 6)})
+    np.savez(d / "flat.npz", **ok)
     np.savez(d / "lacks.npz", **{k: v for k, v in ok.items() if k != "y_test"})
     np.savez(d / "rows.npz", **{**ok, "y_train": np.arange(5) % 2})
     np.savez(d / "text.npz", **{**ok, "y_train": np.array(list("abcabc"))})
