@@ -266,3 +266,37 @@ def test_group_level_values_of_the_wrong_kind_fail_in_one_line(tmp_path: Path) -
     # The group-level refusals reach both ends: Hydra's (a scalar for a group) and the schema's (the rest).
     assert any(o.startswith("refused in one line") for o in outcomes), outcomes
     assert any(o.startswith("refused by Hydra") for o in outcomes), outcomes
+
+
+RESUME_EXAMPLES = int(os.environ.get("COLLSYNC_FUZZ_RESUME_EXAMPLES", "12"))
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="the hang guard needs SIGALRM (POSIX)")
+def test_random_overrides_on_a_resume_go_on_or_fail_in_one_line(tmp_path: Path) -> None:
+    """Cross-resume: random group choices and keys given to a resume of one finished simulator run (its checkpoint
+    at the last step) either go on from it (a key a resume may change) or are refused in one line naming the first
+    key that differs, never a traceback: the resume checks meet every kind of config the fuzzing draws."""
+    base = tmp_path / "base"
+    cfg, choices = compose_with_choices(["checkpoint.every=1"])
+    execute(cfg, base, choices)
+    assert (base / "checkpoint.pt").is_file()
+
+    @settings(
+        max_examples=RESUME_EXAMPLES,
+        deadline=None,
+        derandomize=SEED is None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    )
+    @given(overrides())
+    def fuzz(args_keys: tuple[list[str], set[str]]) -> None:
+        args, perturbed = args_keys
+        outcomes[fuzz_example(([*args, f"resume={base}"], perturbed | {"resume"}), tmp_path)] += 1
+
+    outcomes: Counter[str] = Counter()
+    if SEED is not None:
+        fuzz = seed(int(SEED))(fuzz)
+    fuzz()
+    print(dict(outcomes))
+    assert outcomes["refused in one line"], outcomes  # most differences are refused: the check is reached
