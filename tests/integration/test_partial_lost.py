@@ -20,28 +20,31 @@ pytestmark = [
 ]
 
 DEADLINE = 10
-# Paced (50 ms of injected compute a step, no other straggling): the stop lands between two rounds, as in the
+# Paced (100 ms of injected compute a step, no other straggling): the stop lands between two rounds, as in the
 # API's test. A rank stopped inside a round it counts in (holding its block of the ring's sum) ends the run naming
 # it, under either front (README, Lost workers): the transport cannot finish that round without it.
-PACED = ["stragglers=none", "runtime.inject_stragglers=true", "runtime.time_scale=0.05"]
+PACED = ["stragglers=none", "runtime.inject_stragglers=true", "runtime.time_scale=0.1"]
 BACKUP = ["runtime=partial", "sync=backup", "optimizer=sgd", f"sync.deadline={DEADLINE}", "checkpoint.every=50", *PACED]
-INSIDE_A_ROUND = "(its block of the sum)"
+# What the run says where the stop landed inside a round (the limitation above): "round 121 is being summed ...".
+INSIDE_A_ROUND = "partial allreduce: round "
 # From the stop: the deadline, the training left, and the end (every live rank at the end, then the run folder).
 BOUND = DEADLINE + 90 + 2 * 30
 
 
 def test_backup_over_the_partial_allreduce_goes_on_without_a_stopped_rank(tmp_path):
-    steps = 400
-    for attempt in range(2):  # once more only where the stop landed inside a round (the limitation above)
+    steps = 250
+    for attempt in range(3):  # again only where the stop landed inside a round (the limitation above)
         run = tmp_path / str(attempt)
         run.mkdir()
         hit = run_hitting(MPICH, run, 4, [*BACKUP, "sync.backups=1"], steps, [(100, 2, signal.SIGSTOP)], BOUND)
-        if INSIDE_A_ROUND not in hit.stderr:
+        if hit.returncode != 2 or INSIDE_A_ROUND not in hit.stderr:
             break
     assert hit.returncode == 0, hit.stderr[-3000:]
     assert "incomplete" not in hit.summary
     assert [x["rank"] for x in hit.summary["lost"]] == [2], hit.summary.get("lost")
-    assert hit.summary["lost"][0]["host"] and hit.summary["lost"][0]["last_update"] >= 100
+    assert (
+        hit.summary["lost"][0]["host"] and hit.summary["lost"][0]["last_update"] >= 50
+    )  # stopped once the checkpoint at 100 was out
     assert len(hit.trace.of("apply")) == steps
     assert "finished without lost worker(s) rank 2" in hit.stderr
 
