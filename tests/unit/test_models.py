@@ -67,7 +67,9 @@ def test_models_are_float32_under_another_default_dtype():
 
 
 def test_bad_inputs_are_named():
-    with pytest.raises(ValueError, match=r"cnn: input_shape=\(64,\) must be \(C, H, W\); load the data with flatten"):
+    with pytest.raises(
+        ValueError, match=r"cnn: input_shape=\(64,\) must be \(C, H, W\): load image data with data.flatten=false"
+    ):
         cnn((64,), 10)
     with pytest.raises(ValueError, match="mlp: classes=1 must be >= 2"):
         mlp((4,), 1)
