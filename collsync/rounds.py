@@ -115,8 +115,8 @@ def run_partial(
 
     while not server.done:
         apply(rounds.take(compute))
-        room = sys.maxsize if server.steps is None else server.steps - server.version
-        if rounds.catch_up(room, apply) or (catch_up and rounds.late):
+        rounds.catch_up(sys.maxsize if server.steps is None else server.steps - server.version, apply)
+        if catch_up and rounds.late:
             computed = base + rounds.round  # the batch of the round it comes to next, as a worker never late
     return server
 
