@@ -81,6 +81,9 @@ class ServerMode(Mode):
             # SpecSync: the messages' communicator, right after the shards, as the servers make theirs.
             self.spec = Speculating(self, st.world, params, policy.speculation)
         self._pull()
+        # Every worker's first pull before any worker's first push: they all start from the same version (the
+        # servers' initial or saved state), not from one a fast worker already moved.
+        st.comm.Barrier()
         if self.spec is not None:
             self.spec.computing()  # the first gradient: no notify before it (Alg. 2 notifies after a push)
 
