@@ -2,11 +2,12 @@
 MPI windows until the workers leave, and exit (without `MPI_Finalize` once a worker was lost); the user's script
 never runs past `init()` on them.
 
-Worker 0 sends each server a job (`Job`: the initial flat parameters, the policy, the rule and penalty as config
-nodes, the number of workers) when a `DistributedOptimizer` in a server mode is built; the windows are then opened
-collectively by every rank of the world (`collsync.runtime.mpi_shards.open_shards`), and shard j is served by
-`collsync.loops.run_server` on rank j exactly as `collsync-train runtime=mpi` serves it. At the workers'
-`shutdown()`, worker 0 sends `None`: the server ranks leave MPI and exit with status 0.
+Worker 0 sends each server a job (`Job`: the initial flat parameters, the policy, the rule and penalty as
+factories with their arguments bound, the number of workers) when a `DistributedOptimizer` in a server mode is
+built; the windows are then opened collectively by every rank of the world
+(`collsync.runtime.mpi_shards.open_shards`), and shard j is served by `collsync.loops.run_server` on rank j exactly
+as `collsync-train runtime=mpi` serves it. At the workers' `shutdown()`, worker 0 sends `None`: the server ranks
+leave MPI and exit with status 0.
 
 A server rank serves through `collsync.serving.ShardEngine`, the engine `collsync-train runtime=mpi` runs its
 server ranks through (that front adds its evaluation, checkpoint files and trace through the engine's hooks); it
@@ -43,8 +44,6 @@ from collsync.runtime.mpi_rma import Backoff
 from collsync.runtime.mpi_world import abort_on_error, open_mpi
 from collsync.server import Server
 from collsync.serving import Serving, ShardEngine
-from collsync.torch.config import build
-from collsync.torch.server_rule import server_penalty
 from collsync.trace import Trace
 
 if TYPE_CHECKING:
@@ -63,8 +62,8 @@ class Job:
 
     params: torch.Tensor
     policy: SyncPolicy
-    rule: dict[str, Any]
-    penalty: dict[str, Any] | None
+    rule: Callable[[], Any]  # the server's rule factory with its arguments (`config.factory`): no config framework
+    penalty: Callable[[], Any] | None
     workers: int
     ema_decay: float | None = None
     state: list[dict[str, Any]] | None = None  # one `Server.state_dict()` per shard, to resume from
@@ -120,10 +119,15 @@ def hear_byes(world: MPI.Comm, ranks: list[int]) -> None:
         _wait_for(world, rank, TAG_BYE)
 
 
+def server_parts(job: Job) -> tuple[Any, Any]:
+    """The penalty and the rule a server applies, from the factories worker 0 bound (`config.factory`)."""
+    return combine(job.penalty() if job.penalty is not None else None, job.rule())
+
+
 def serve(world: MPI.Comm, servers: int, job: Job) -> set[int]:
     """Serve this rank's shard of `job` until the workers leave (collective with the workers' `ServerMode`); the
     workers this shard lost."""
-    penalty, optimizer = combine(build(server_penalty(job.penalty, job.rule)), build(job.rule))
+    penalty, optimizer = server_parts(job)
 
     def server(block: slice, trace: Trace | None) -> Server:
         return Server(job.params[block], optimizer, job.policy, job.workers, penalty=penalty, ema_decay=job.ema_decay)

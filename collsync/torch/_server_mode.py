@@ -23,8 +23,8 @@ from collsync.runtime.mpi_world import open_mpi
 from collsync.runtime.watchdog import worker_watchdog
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._world import World, shutdown
-from collsync.torch.config import SyncConfig
-from collsync.torch.server_rule import rule_for
+from collsync.torch.config import SyncConfig, factory
+from collsync.torch.server_rule import rule_for, server_penalty
 from collsync.torch.speculative import Speculating
 
 if TYPE_CHECKING:
@@ -60,7 +60,9 @@ class ServerMode(Mode):
             # the job, and `import collsync.torch` stays light.
             from collsync.torch._serve import Job, send_job
 
-            job = Job(self.params.clone(), policy, rule, config.penalty, workers, state=shard_states)
+            made, penalty = factory(rule), factory(server_penalty(config.penalty, rule))
+            assert made is not None  # a rule node, never None
+            job = Job(self.params.clone(), policy, made, penalty, workers, state=shard_states)
             send_job(st.world, st.servers, job)
         self.shards = Shards(st.world, numel, st.servers, self.flat.buf.dtype)
         self.mailbox = self.shards.worker_mailbox(policy.pull_fraction, policy.pull_timeout)

@@ -12,6 +12,8 @@ anything else is refused at construction with a line naming it (pass `rule=` a c
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any, cast
@@ -127,6 +129,21 @@ def build(node: dict[str, Any] | None) -> Any:
         if isinstance(exc.__cause__, ValueError):
             raise ValueError(str(exc.__cause__)) from None
         raise
+
+
+def factory(node: dict[str, Any] | None) -> Callable[[], Any] | None:
+    """A node made by `_node`, `server_rule` or `server_penalty` as its factory with the node's arguments bound
+    (Hydra's `_partial_`, plain values: `_convert_="all"`), built once here so a bad value raises on this rank.
+    A `functools.partial` of a module-level function pickles by name: the server ranks that call it load neither
+    Hydra nor OmegaConf (tests/unit/test_layers.py)."""
+    if node is None:
+        return None
+    deferred = build({**node, "_partial_": True, "_convert_": "all"})
+    assert isinstance(deferred, functools.partial)  # every factory is a module-level function
+    # Hydra's partial is a subclass of its own that carries its bookkeeping: a plain one pickles by the factory alone.
+    made = functools.partial(deferred.func, *deferred.args, **deferred.keywords)
+    made()  # a factory's ValueError (a bad value) comes out on the worker that asked, not on a server rank
+    return made
 
 
 def sync_config(sync: Any = "bsp", **options: Any) -> SyncConfig:

@@ -142,3 +142,28 @@ def test_a_server_rank_of_a_script_loads_nothing_of_the_trainer() -> None:
     assert "collsync.serving" in loaded  # the check below is not vacuous
     trainer = ("collsync.runs", "collsync.data", "collsync.evaluate", "collsync.rundir", "collsync.schema")
     assert [m for m in loaded if m.startswith(trainer)] == []
+
+
+def test_a_server_rank_serves_a_job_without_the_config_framework(tmp_path: Path) -> None:
+    """Worker 0 binds the server's rule and penalty to their factories (Hydra's `_partial_`); a server rank unpickles
+    the job and builds both with neither Hydra nor OmegaConf loaded."""
+    job = tmp_path / "job.pt"
+    code = f"""
+import pickle, torch
+from collsync.torch._serve import Job
+from collsync.torch.config import factory, sync_config
+from collsync.torch.server_rule import rule_for, server_penalty
+config = sync_config("async", penalty="gap_aware")
+opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+rule = rule_for(opt, config, 3)
+job = Job(torch.zeros(4), config.policy, factory(rule), factory(server_penalty(config.penalty, rule)), 3)
+open({str(job)!r}, "wb").write(pickle.dumps(job))
+"""
+    assert "hydra" in loaded_after(code)  # the worker side does build through it: the check below is not vacuous
+    served = loaded_after(
+        f"import pickle\nfrom collsync.torch._serve import server_parts\n"
+        f"penalty, rule = server_parts(pickle.loads(open({str(job)!r}, 'rb').read()))\n"
+        "assert penalty is not None and rule is not None\n"
+    )
+    assert "collsync.rules.dana" in served  # async's momentum SGD is DANA on the server (server_momentum)
+    assert [m for m in served if m.split(".")[0] in ("hydra", "omegaconf")] == []
