@@ -72,3 +72,40 @@ def check_margin(margin: float | str | None) -> None:
         return
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
         raise ValueError(f"partial allreduce: margin={margin!r} must be None, 'auto' or a number of seconds > 0")
+
+
+@dataclass
+class RoundTimes:
+    """One backup round's arrivals on a clock, for the adaptive `Margin` where a driver keeps the clock itself (the
+    simulator; `runtime/mpi_partial` measures the same times on the wall clock): T is the time between two rounds'
+    quorum-th arrivals, the gap the time from this round's quorum-th arrival to its last one taken."""
+
+    margin: Margin
+    quorum: int
+    closed_at: float | None = None  # the last round's quorum-th arrival
+    quorum_at: float | None = None  # this round's
+    last: float = 0.0
+    count: int = 0
+    used: float = 0.0  # the margin this round was given
+
+    def arrived(self, now: float) -> bool:
+        """A gradient of this round came `now`; whether it is the quorum-th (the round's margin starts)."""
+        self.count += 1
+        self.last = now
+        if self.count == self.quorum:
+            self.quorum_at = now
+        return self.count == self.quorum
+
+    def limit(self, now: float, step: float) -> float:
+        """The margin for the round whose quorum-th gradient came `now` after the closing worker's `step` seconds
+        of compute; before any round closed, the period is that step."""
+        period = now - self.closed_at if self.closed_at is not None else step
+        self.used = self.margin.limit(period, self.quorum, step)
+        return self.used
+
+    def applied(self, complete: bool) -> None:
+        """The round was applied: `complete`, every live worker's gradient in it."""
+        if self.quorum_at is not None:
+            self.margin.observe(self.last - self.quorum_at, complete, self.used)
+            self.closed_at = self.quorum_at
+        self.quorum_at, self.count = None, 0

@@ -63,6 +63,9 @@ class Server:
         self.workers = workers
         self.quorum = policy.quorum_for(workers)
         self.full = policy.full_for(workers)
+        # Seconds a round (or stream update) collects after its quorum before it is applied: the policy's timeout,
+        # or serverless backup's margin where a driver sets one (`wait_after_quorum`).
+        self.collect = policy.timeout
         self.steps = steps
         self.ema_decay = ema_decay
         self.ema = self.params.clone() if ema_decay is not None else None
@@ -187,23 +190,33 @@ class Server:
             or any(g is grad for g in self._last.values())
         )
 
+    def wait_after_quorum(self, seconds: float) -> None:
+        """Backup rounds with a margin (`collsync.margin`): a round takes every gradient that comes within
+        `seconds` of its quorum-th, up to one from each live worker, and drops only later ones (the simulator's model
+        of `collsync.rounds`' partial allreduce; `arm(now, timeout)` sets a round's own margin)."""
+        if not (self.policy.rounds and seconds > 0):
+            raise ValueError(f"server: a margin of {seconds} s needs a round policy and a positive number")
+        self.collect = seconds
+        self.full = self.workers - len(self.lost)
+
     def collecting(self) -> bool:
-        """Whether the policy's collection timeout should be running for the current update: a stream with a
-        gradient waiting, or a round that has its `quorum` but not yet every worker (003_... tau1)."""
-        if self.policy.timeout is None or self.done:
+        """Whether the collection timeout should be running for the current update: a stream with a gradient
+        waiting, or a round that has its `quorum` but not yet every worker (003_... tau1, a backup margin)."""
+        if self.collect is None or self.done:
             return False
         waiting = len(self.pending.get(self.version if self.policy.rounds else -1, ()))
         return waiting >= (self.quorum if self.policy.rounds else 1)
 
-    def arm(self, now: float) -> float | None:
+    def arm(self, now: float, timeout: float | None = None) -> float | None:
         """When the collection timeout of the current update fires, if it starts now: the first time the server is
         `collecting()` for this version (000_... §6, 003_... tau1); else None (not collecting, or already armed).
-        Both drivers use it: `loops.run_server` on the wall clock, `sim.Simulator` on its virtual clock."""
-        timeout = self.policy.timeout
-        if timeout is None or not self.collecting() or self._armed == self.version:
+        Both drivers use it: `loops.run_server` on the wall clock, `sim.Simulator` on its virtual clock. `timeout`:
+        this update's own (an adaptive margin), instead of `collect`."""
+        collect = self.collect
+        if collect is None or not self.collecting() or self._armed == self.version:
             return None
         self._armed = self.version
-        return now + timeout
+        return now + (collect if timeout is None else timeout)
 
     def expire(self, version: int) -> bool:
         """The collection timeout armed at `version` fired: flush if the server is still at that update."""

@@ -12,15 +12,23 @@ notify to the `collsync.specsync.Scheduler`; the scheduler's timers are events; 
 once, and if it is still computing and the server has a newer version, its gradient is aborted (its push event
 cancelled, an `abort` event traced with the compute thrown away) and the same batch restarts on fresh parameters,
 taking its whole compute time again. Naive waiting defers every start after a push by `wait` seconds.
+
+Backup rounds (`sync=backup`) are modelled as `collsync.rounds` runs them between real ranks, with the same keys:
+a `margin` lets a round take every gradient within that many model seconds of its quorum-th (`Server.wait_after_
+quorum`; "auto": `margin.Margin` fed by `margin.RoundTimes` on this clock), and `catch_up` has a late worker
+compute the batch of the round it joins (its batch index is its round, as the partial allreduce's is).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from collsync.loops import GradFn, Worker
+from collsync.margin import Margin, RoundTimes, check_margin
 from collsync.policy import SyncPolicy
 from collsync.server import Server
 from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Scheduler
@@ -28,6 +36,11 @@ from collsync.trace import Trace
 from collsync.types import Arrival, Flat
 
 _PUSH, _TIMEOUT, _WAKE, _TIMER, _PULL = 0, 1, 2, 3, 4  # _TIMER: SpecSync's scheduler; _PULL: naive waiting
+
+
+def backup_rounds(policy: SyncPolicy) -> bool:
+    """Rounds that drop backups (`sync=backup`): a margin and catch-up apply to them."""
+    return policy.rounds and policy.backups > 0 and not policy.max_lead and policy.timeout is None
 
 
 class Deadlock(RuntimeError):
@@ -40,11 +53,25 @@ class Simulator:
     `stragglers` is a `collsync.stragglers.Stragglers` (or None for a constant compute time of 1 s per batch).
     """
 
-    def __init__(self, workers: int = 8, stragglers: Any = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        workers: int = 8,
+        stragglers: Any = None,
+        seed: int = 0,
+        margin: float | str | None = None,
+        catch_up: bool = False,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"runtime: {workers=} must be >= 1")
+        check_margin(margin)
         self.workers = workers
         self.seed = seed
+        # Backup rounds (`policy.backups`), as `collsync.rounds` runs them between real ranks: a round takes every
+        # gradient within `margin` of its quorum-th (model seconds; "auto": `Margin` on this clock; None: exactly
+        # the quorum), and a late worker with `catch_up` computes the batch of the round it joins, not its own next.
+        self.margin, self.catch_up = margin, catch_up
+        self._times: RoundTimes | None = None
+        self._began = [0.0] * workers  # when each worker's gradient under way started
         self.sampler = stragglers.sampler(workers, seed) if stragglers is not None else None
         self.now = 0.0
         self._frozen_clock: float | None = None
@@ -95,6 +122,7 @@ class Simulator:
         if server.trace is not self.trace:
             raise ValueError("runtime: build the Server with trace=simulator.trace so events carry simulated time")
         self._server, self._grads = server, grads
+        self._backup_rounds(server)
         if not self._workers:
             self._speculate(server.policy)
             self._workers = [Worker(w, server.policy, seed=self.seed) for w in range(self.workers)]
@@ -152,19 +180,26 @@ class Simulator:
     ) -> None:
         """A gradient (`_PUSH` from worker `w`) or a collection timeout (`_TIMEOUT`) reaches the server; then start
         the pusher and every worker the policy held back, if an update let them go (after a slow server's pause)."""
-        before = server.version
+        before, limit = server.version, None
         if kind == _PUSH:
             arrival: Arrival = payload
-            server.accept(arrival)
+            times = self._times
+            if times is not None:
+                times.quorum = server.quorum  # fewer once a worker is lost
+            if server.accept(arrival) and times is not None and arrival.clock == before and times.arrived(self.now):
+                # The round's quorum-th gradient: its margin from the period and this worker's step (its compute).
+                limit = times.limit(self.now, self.now - self._began[w])
         else:
             server.expire(payload)
+        if self._times is not None and server.version != before:
+            self._times.applied(complete=self._times.count >= server.full)
         woken = {w} if kind == _PUSH else set()
         if server.version != before:
             if on_update is not None:
                 on_update(server)
             woken |= self._waiting
             self._waiting.clear()
-        self._arm_timeout(server)
+        self._arm_timeout(server, limit)
         if slow > 0 and server.version != before and not server.done:
             # Workers see the new version only once the slow server is done with it.
             self._busy_until = self.now + slow
@@ -212,7 +247,8 @@ class Simulator:
     def _compute(self, w: int) -> None:
         """Compute worker w's next gradient on what it holds; its push lands after the drawn compute time."""
         worker = self._workers[w]
-        index = worker.steps
+        index = worker.clock if self._skips else worker.steps  # catch-up: the batch of the round it computes for
+        self._began[w] = self.now
         params = self._held[w]
         assert params is not None  # a worker's first opportunity always fetches
         arrival = worker.arrival(self._grads(params, w, index))
@@ -289,6 +325,7 @@ class Simulator:
             "waiting": sorted(self._waiting),
             "frozen": sorted(self._frozen_set),
             "busy_until": self._busy_until,
+            "backup": {"began": list(self._began), "times": None if self._times is None else asdict(self._times)},
             "specsync": None
             if self.scheduler is None
             else {
@@ -318,6 +355,11 @@ class Simulator:
         self._held = list(state["held"])
         self._waiting, self._frozen_set = set(state["waiting"]), set(state["frozen"])
         self._busy_until = float(state["busy_until"])
+        backup = state.get("backup") or {}
+        self._began = list(backup.get("began", self._began))
+        if backup.get("times") is not None:
+            times = dict(backup["times"])
+            self._times = RoundTimes(**{**times, "margin": Margin(**times["margin"])})
         self._speculate(policy)
         spec = state.get("specsync")
         if self.scheduler is not None and spec is not None:
@@ -327,7 +369,18 @@ class Simulator:
             self._pull_at, self._deferred = list(spec["pull_at"]), set(spec["deferred"])
             self.spec_stats = dict(spec["stats"])
 
-    def _arm_timeout(self, server: Server) -> None:
-        fires = server.arm(self.now)
-        if fires is not None:
+    def _backup_rounds(self, server: Server) -> None:
+        """Backup rounds with a margin: the server collects past its quorum (`Server.wait_after_quorum`)."""
+        backup = backup_rounds(server.policy)
+        self._skips = backup and self.catch_up
+        if not backup or self.margin is None:
+            return
+        auto = self.margin == "auto"
+        server.wait_after_quorum(float("inf") if auto else float(self.margin))
+        if auto and self._times is None:
+            self._times = RoundTimes(Margin(), server.quorum)
+
+    def _arm_timeout(self, server: Server, limit: float | None = None) -> None:
+        fires = server.arm(self.now, limit)
+        if fires is not None and fires < math.inf:  # an adaptive margin is set by `limit` (inf: none yet)
             self._schedule(fires, _TIMEOUT, -1, server.version)

@@ -13,7 +13,7 @@ from collsync.loops import Gradients
 from collsync.rundir import write_run
 from collsync.runs.parts import Parts, check_fit, keep_on_failure, make_server, progress
 from collsync.runs.resume import keeper, restore, resumed, state
-from collsync.sim import Simulator
+from collsync.sim import Simulator, backup_rounds
 
 
 def run_simulated(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any]:
@@ -22,7 +22,8 @@ def run_simulated(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any
     check_fit(parts, workers)
     kept = keeper(parts, out_dir)
     saved = resumed(kept, parts)
-    sim = Simulator(workers, parts.stragglers, run.seed)
+    runtime = parts.runtime
+    sim = Simulator(workers, parts.stragglers, run.seed, runtime.margin, runtime.catch_up is not False)
     server = make_server(parts, flat, workers, sim.trace)
     grads = Gradients(flat, Batches(parts.data, workers, run.batch_size, run.seed))
     bar = progress(run.steps, run.progress)
@@ -31,11 +32,13 @@ def run_simulated(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any
         sim.load_state_dict(saved["driver"], parts.policy)
         restore(saved, kept, server, sim.trace, evaluate, shift_clock=False)
 
+    wide = runtime.margin is not None and backup_rounds(parts.policy)  # a round may take every worker's gradient
+
     def between() -> None:
         kept.step(server.version, lambda: state(server, sim.trace, evaluate, driver=sim.state_dict()))
 
     def save(why: str) -> None:
-        write_run(out_dir, sim.trace, parts.policy, server, parts.config, extra={"incomplete": why})
+        write_run(out_dir, sim.trace, parts.policy, server, parts.config, extra={"incomplete": why}, up_to_all=wide)
 
     with keep_on_failure(save):
         if saved is None:
@@ -44,4 +47,4 @@ def run_simulated(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any
     if bar is not None:
         bar.close()
     spec = sim.specsync_summary(flat.numel, flat.params.element_size())  # SpecSync's counts and bytes, if any
-    return write_run(out_dir, sim.trace, parts.policy, server, parts.config, extra=spec or None)
+    return write_run(out_dir, sim.trace, parts.policy, server, parts.config, extra=spec or None, up_to_all=wide)

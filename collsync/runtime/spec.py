@@ -113,9 +113,16 @@ def launched_under_mpi() -> bool:
     return False
 
 
-def sim(workers: int = 8) -> RuntimeSpec:
-    """The deterministic simulator with `workers` simulated workers."""
-    return RuntimeSpec("sim", workers=workers)
+def sim(workers: int = 8, margin: float | str | None = "auto", catch_up: bool | None = None) -> RuntimeSpec:
+    """The deterministic simulator with `workers` simulated workers.
+
+    `margin` and `catch_up`: backup rounds (`sync=backup`) as `partial` runs them between real ranks, the same keys
+    and defaults, on the simulator's clock (`margin` in its model seconds: the straggler model's). "auto": a
+    round waits after its N-th gradient as long as the arrivals measured before say nobody straggles
+    (`margin.Margin`); a number, that many seconds; null, exactly the first N (000_...'s fixed b). `catch_up`
+    (null: on): a late worker computes the batch of the round it joins, skipping those of the rounds it missed.
+    """
+    return RuntimeSpec("sim", workers=workers, margin=margin, catch_up=catch_up)
 
 
 def mpi(servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
@@ -173,6 +180,18 @@ def partial(
     )
 
 
-def auto(workers: int = 8, servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
-    """MPI when launched as several ranks (mpiexec, srun), else the simulator with `workers` workers."""
-    return mpi(servers, inject_stragglers, time_scale) if launched_under_mpi() else sim(workers)
+def auto(
+    workers: int = 8,
+    servers: int = 1,
+    inject_stragglers: bool = False,
+    time_scale: float = 0.01,
+    margin: float | str | None = "auto",
+    catch_up: bool | None = None,
+) -> RuntimeSpec:
+    """MPI when launched as several ranks (mpiexec, srun), else the simulator with `workers` workers (`margin` and
+    `catch_up`: the simulator's backup rounds, see `sim`; the parameter server's backup rounds take exactly the
+    first N: `runtime=partial` is the serverless backup with a margin over MPI)."""
+    if launched_under_mpi():
+        check_margin(margin)  # refused alike wherever the run lands
+        return mpi(servers, inject_stragglers, time_scale)
+    return sim(workers, margin, catch_up)

@@ -45,6 +45,10 @@ def finished(folder: Path) -> dict:
 # case: (overrides, k): each stopped at another multiple of its k, so the resumed state varies from case to case.
 CASES = {
     "backup": (["sync=backup"], 10),
+    # The adaptive margin's estimate and each worker's start time are the simulator's to restore; a fixed margin's
+    # collection timeouts are events; catch-up's batch index follows the restored round.
+    "backup_auto": (["sync=backup", "stragglers=gamma_heterogeneous"], 13),
+    "backup_fixed": (["sync=backup", "stragglers=gamma_heterogeneous", "runtime.margin=0.3"], 10),
     "async": (["sync=async", "optimizer=sgd"], 23),
     "ssp": (["sync=ssp", "stragglers=gamma_homogeneous"], 13),
     "psp_timeout": (["sync=psp", "sync.timeout=0.3"], 10),

@@ -4,12 +4,15 @@ in its own order. float64 throughout; valid at any world size of 2 or more ranks
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 
 from collsync.checks import check_trace
 from collsync.loops import Worker, run_allreduce, run_server, run_worker
-from collsync.policy import SyncPolicy, asynchronous, bsp, ssp
+from collsync.policy import SyncPolicy, asynchronous, backup, bsp, ssp
 from collsync.rounds import run_partial
 from collsync.rules import momentum
 from collsync.runtime.mpi_coll import MpiCollective
@@ -69,3 +72,75 @@ def test_serverless_runs_equal_the_simulator_to_float_tolerance(comm):
     # Full-quorum rounds are an MPI allreduce (summed in MPI's order, not the simulator's worker order): equal to
     # float tolerance above, and the same bits on every rank, so the replicas never drift apart.
     assert len(set(comm.allgather(partial.params.numpy().tobytes()))) == 1
+
+
+class OneSlow:
+    """A straggler model for the simulator: the last worker takes `factor` model seconds a batch, the others 1."""
+
+    class model:  # noqa: N801 - the attribute the simulator reads of a straggler model
+        slow_server = 0.0
+
+    def __init__(self, workers: int, factor: float) -> None:
+        self.last, self.factor = workers - 1, factor
+
+    def sampler(self, workers: int, seed: int) -> Any:
+        return self
+
+    def compute_time(self, worker: int, index: int) -> float:
+        return self.factor if worker == self.last else 1.0
+
+    def message_delay(self, worker: int, index: int) -> float:
+        return 0.0
+
+    def is_frozen(self, worker: int, now: float) -> bool:
+        return False
+
+
+# (the slow worker's step, the margin) in each front's seconds: within the margin, every round takes every worker;
+# past it, none takes the slow one. MPI: the fast ranks sleep 50 ms a batch; the simulator: 1 model second.
+REGIMES = {"within": ((0.06, 0.5), (1.2, 5.0)), "past": ((0.5, 0.02), (10.0, 0.5))}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_backup_with_a_margin_and_catch_up_agrees_with_the_simulator(comm, regime):
+    """sync=backup (b = 1) with a fixed margin and catch-up, the last rank slow: `collsync.rounds` over the partial
+    allreduce (what collsync-train runtime=partial and collsync.torch's backup run) and the simulator's model of it
+    (runtime=sim, the same keys) take the same workers into every round, skip the same batches' worth of work and
+    end with the same parameters (to float tolerance: the partial allreduce sums in its own order)."""
+    n = comm.Get_size()
+    if n < 2:
+        pytest.skip("a slow worker needs another one")
+    (mpi_step, mpi_margin), (sim_step, sim_margin) = REGIMES[regime]
+    policy, slow = backup(1), n - 1
+    computed: dict[str, dict[int, list[int]]] = {"mpi": {}, "sim": {}}
+
+    def counted(side: str, sleep: bool):
+        def fn(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
+            if sleep:
+                time.sleep(mpi_step if worker == slow else 0.05)
+            computed[side].setdefault(worker, []).append(index)
+            return grads(params, worker, index)
+
+        return fn
+
+    with PartialAllreduce(comm, NUMEL, dtype=torch.float64, margin=mpi_margin) as pa:
+        mpi = run_partial(make(policy, n, Trace()), pa, counted("mpi", True), catch_up=True)
+    sim = Simulator(n, OneSlow(n, sim_step), seed=0, margin=sim_margin, catch_up=True)
+    ref = sim.run(make(policy, n, sim.trace), counted("sim", False))
+    for server in (mpi, ref):
+        check_trace(server.trace, policy, n, up_to_all=True)
+    torch.testing.assert_close(mpi.params, ref.params, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(mpi.ema, ref.ema, rtol=1e-12, atol=1e-14)
+    # Who took part in each round: every rank's replica records the same, and the simulator's server agrees.
+    members = [sorted(int(w) for w in e["workers"]) for e in mpi.trace.of("apply")]
+    assert members == [sorted(int(w) for w in e["workers"]) for e in ref.trace.of("apply")]
+    want = list(range(n)) if regime == "within" else list(range(n - 1))
+    assert members == [want] * STEPS, members
+    # The batches computed: the fast ranks every round's; the slow one, past the margin, skips the rounds it missed.
+    mine = computed["mpi"][comm.Get_rank()]
+    if comm.Get_rank() != slow or regime == "within":
+        assert mine == computed["sim"][comm.Get_rank()] == list(range(STEPS))
+    else:
+        for seen in (mine, computed["sim"][slow]):  # increasing, with the rounds it missed skipped
+            assert seen == sorted(set(seen)) and len(seen) < STEPS // 2, seen
+            assert any(b - a > 1 for a, b in zip(seen, seen[1:], strict=False)), seen
