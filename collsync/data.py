@@ -1,5 +1,6 @@
-"""Data sets and per-worker batches. Nothing here downloads: digits ships inside scikit-learn, the rest are files the
-user already has (`.npz`, MNIST IDX, CIFAR-10 binary) or generated from a seed.
+"""Data sets and per-worker batches. Nothing here downloads: digits ships inside scikit-learn, Fashion-MNIST comes from
+Debian's package dataset-fashion-mnist, the rest are files the user already has (`.npz`, MNIST IDX, CIFAR-10 binary) or
+generated from a seed.
 
 Every factory is a Hydra `_target_` (conf/data/<name>.yaml) taking keyword arguments of the same names.
 """
@@ -7,7 +8,11 @@ Every factory is a Hydra `_target_` (conf/data/<name>.yaml) taking keyword argum
 from __future__ import annotations
 
 import gzip
+import hashlib
+import json
 import math
+import os
+import tempfile
 import zipfile
 from collections.abc import Sequence
 from functools import lru_cache
@@ -29,6 +34,10 @@ _MNIST_STEMS = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+"""Where Debian's package dataset-fashion-mnist puts Fashion-MNIST's four gzipped IDX files: `fashion_mnist`'s
+default path."""
 _CIFAR_RECORD = 1 + 3 * 32 * 32  # one label byte, then 1024 red, 1024 green, 1024 blue bytes
 
 
@@ -251,55 +260,154 @@ def npz(path: str, flatten: bool = True) -> Dataset:
     return _dataset(where, xtr, ytr, xte, yte, arrays=NPZ_KEYS)._replace(name="npz")
 
 
-def _read_idx(path: Path) -> np.ndarray:
-    """An IDX file of unsigned bytes: magic 0x00 0x00 0x08 <ndim>, ndim big-endian uint32 sizes, then the data."""
+def cache_dir() -> Path:
+    """Where decompressed data files are kept between runs: $XDG_CACHE_HOME/collsync, else ~/.cache/collsync."""
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "collsync"
+
+
+def _gunzip(path: Path, name: str) -> bytes:
     try:
-        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
-        raise ValueError(f"mnist: {str(path)!r} cannot be read ({e})") from e
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a truncated file ends in EOFError
+        raise ValueError(f"{name}: {str(path)!r} cannot be read ({e})") from e
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`data` in `path` by a temporary file renamed over it: a reader (another rank, say) sees the old file or the
+    new one whole, and two writers of the same bytes cannot interleave."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _cached_gunzip(path: Path, name: str, cache: Path) -> bytes:
+    """The decompressed bytes of the gzipped `path`, decompressed once and kept in `cache`.
+
+    A cached copy is used only where its size and sha256 match the ones recorded beside it when it was written, so
+    a truncated or damaged copy is decompressed and written again. The copy's name holds a hash of the source's
+    path, size and modification time: a changed source (a new version of the package) gets a copy of its own. Where
+    `cache` cannot be written the bytes are still returned: the next load decompresses again, nothing else.
+    """
+    stat = path.stat()
+    source = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    copy = cache / f"{path.name.removesuffix('.gz')}-{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    record = copy.with_name(copy.name + ".json")
+    try:
+        expected = json.loads(record.read_text())
+        if copy.stat().st_size == expected["size"]:  # a truncated copy costs no read
+            raw = copy.read_bytes()
+            if len(raw) == expected["size"] and hashlib.sha256(raw).hexdigest() == expected["sha256"]:
+                return raw
+    except (OSError, ValueError, KeyError, TypeError):  # no copy yet, or its record unreadable: decompress again
+        pass
+    raw = _gunzip(path, name)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        _write_atomic(copy, raw)  # the copy before its record: a record never vouches for a copy not yet written
+        entry = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest(), "source": str(path)}
+        _write_atomic(record, (json.dumps(entry) + "\n").encode())
+    except OSError:
+        pass
+    return raw
+
+
+def _read_idx(path: Path, name: str = "mnist", cache: Path | None = None) -> np.ndarray:
+    """An IDX file of unsigned bytes: magic 0x00 0x00 0x08 <ndim>, ndim big-endian uint32 sizes, then the data.
+
+    A gzipped file is decompressed in memory, or once into `cache` (see `_cached_gunzip`) where one is given."""
+    if path.suffix == ".gz":
+        raw = _gunzip(path, name) if cache is None else _cached_gunzip(path, name, cache)
+    else:
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"{name}: {str(path)!r} cannot be read ({e})") from e
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08 or raw[3] == 0:
-        raise ValueError(f"mnist: {str(path)!r} is not an IDX file of unsigned bytes (magic {raw[:4].hex()})")
+        raise ValueError(f"{name}: {str(path)!r} is not an IDX file of unsigned bytes (magic {raw[:4].hex()})")
     ndim = raw[3]
     if len(raw) < 4 + 4 * ndim:
-        raise ValueError(f"mnist: {str(path)!r} is truncated inside its {ndim}-dimension header")
+        raise ValueError(f"{name}: {str(path)!r} is truncated inside its {ndim}-dimension header")
     dims = np.frombuffer(raw, dtype=">u4", count=ndim, offset=4).astype(np.int64)
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
-        raise ValueError(f"mnist: {str(path)!r} holds {data.size} bytes of data, its header says {dims.tolist()}")
+        raise ValueError(f"{name}: {str(path)!r} holds {data.size} bytes of data, its header says {dims.tolist()}")
     return data.reshape(dims)
 
 
-def _find_idx(folder: Path, stem: str) -> Path:
+def _find_idx(folder: Path, stem: str, name: str = "mnist") -> Path:
     # The original names, gzipped or not, and the "train-images.idx3-ubyte" spelling some mirrors use.
     dotted = stem.replace("-idx", ".idx")
-    for name in (stem, f"{stem}.gz", dotted, f"{dotted}.gz"):
-        if (folder / name).is_file():
-            return folder / name
-    raise FileNotFoundError(f"mnist: path={str(folder)!r} has no {stem} (or {stem}.gz)")
+    for file in (stem, f"{stem}.gz", dotted, f"{dotted}.gz"):
+        if (folder / file).is_file():
+            return folder / file
+    raise FileNotFoundError(f"{name}: path={str(folder)!r} has no {stem} (or {stem}.gz)")
+
+
+def _idx_files(name: str, path: str) -> list[Path]:
+    """The four IDX files of MNIST's layout in the folder `path`, in `_MNIST_STEMS`' order."""
+    folder = existing(name, Path(path))
+    return [_find_idx(folder, stem, name) for stem in _MNIST_STEMS]
+
+
+def _idx_dataset(name: str, files: list[Path], flatten: bool, cache: Path | None = None) -> Dataset:
+    """Images and labels from four IDX files (train images, train labels, test images, test labels), pixels scaled
+    to [0, 1], 10 classes; every message names `name` and the file."""
+    xtr, ytr, xte, yte = (_read_idx(f, name, cache) for f in files)
+    for images, labels, fi, fl in ((xtr, ytr, files[0], files[1]), (xte, yte, files[2], files[3])):
+        if images.ndim != 3 or labels.ndim != 1:
+            raise ValueError(
+                f"{name}: {str(fi)!r} must hold 3-D images and {str(fl)!r} 1-D labels "
+                f"(got {images.ndim}-D and {labels.ndim}-D)"
+            )
+        if len(images) != len(labels):
+            raise ValueError(f"{name}: {str(fi)!r} has {len(images)} images but {str(fl)!r} {len(labels)} labels")
+    # Each split in its own image size: `_dataset` reports a mismatch, naming the files.
+    xtr, xte = (x.reshape(len(x), *((math.prod(x.shape[1:]),) if flatten else (1, *x.shape[1:]))) for x in (xtr, xte))
+    names = [repr(str(f)) for f in files]
+    return _dataset(name, _scaled(xtr), ytr, _scaled(xte), yte, 10, names)
+
+
+def _scaled(pixels: np.ndarray) -> np.ndarray:
+    """Byte pixels as float32 in [0, 1], divided in place: one float copy of the images, not two."""
+    x = pixels.astype(np.float32)
+    x /= 255.0
+    return x
 
 
 def mnist(path: str, flatten: bool = True) -> Dataset:
     """MNIST from a local folder with the four IDX files (plain or .gz), pixels scaled to [0, 1], 10 classes.
 
-    Any data set in MNIST's IDX layout and file names (e.g. Fashion-MNIST) loads the same way. `flatten=False` gives
-    (1, 28, 28) images.
+    Any data set in MNIST's IDX layout and file names loads the same way; Fashion-MNIST has a factory of its own
+    (`fashion_mnist`: a default folder, a cache). `flatten=False` gives (1, 28, 28) images.
     """
-    folder = existing("mnist", Path(path))
-    files = [_find_idx(folder, stem) for stem in _MNIST_STEMS]
-    xtr, ytr, xte, yte = (_read_idx(f) for f in files)
-    for images, labels, fi, fl in ((xtr, ytr, files[0], files[1]), (xte, yte, files[2], files[3])):
-        if images.ndim != 3 or labels.ndim != 1:
-            raise ValueError(
-                f"mnist: {str(fi)!r} must hold 3-D images and {str(fl)!r} 1-D labels "
-                f"(got {images.ndim}-D and {labels.ndim}-D)"
-            )
-        if len(images) != len(labels):
-            raise ValueError(f"mnist: {str(fi)!r} has {len(images)} images but {str(fl)!r} {len(labels)} labels")
-    # Each split in its own image size: `_dataset` reports a mismatch, naming the files.
-    xtr, xte = (x.reshape(len(x), *((math.prod(x.shape[1:]),) if flatten else (1, *x.shape[1:]))) for x in (xtr, xte))
-    names = [repr(str(f)) for f in files]
-    return _dataset("mnist", xtr.astype(np.float32) / 255.0, ytr, xte.astype(np.float32) / 255.0, yte, 10, names)
+    return _idx_dataset("mnist", _idx_files("mnist", path), flatten)
+
+
+def fashion_mnist(path: str = FASHION_MNIST_DIR, flatten: bool = True, cache: bool = True) -> Dataset:
+    """Fashion-MNIST (Zalando's 28x28 grey images of clothing, 60,000 training and 10,000 test, 10 classes) from the
+    folder Debian's package dataset-fashion-mnist installs, or any folder with its four IDX files (plain or .gz).
+
+    Pixels are scaled to [0, 1]; `flatten=False` gives (1, 28, 28) images. With `cache`, each gzipped file is
+    decompressed once into the user cache (`cache_dir()`) and read from there afterwards, checked by size and
+    sha256: a run, and every rank of it, starts without decompressing 30 MB. Where the files are missing, the one
+    line says how to install the package.
+    """
+    name = "fashion_mnist"
+    try:
+        files = _idx_files(name, path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"{e}: install Debian's package {FASHION_MNIST_PACKAGE} (as root: apt-get install {FASHION_MNIST_PACKAGE}),"
+            f" or set data.path to a folder holding Fashion-MNIST's four IDX files"
+        ) from None
+    return _idx_dataset(name, files, flatten, cache_dir() if cache else None)
 
 
 def cifar10(path: str, flatten: bool = False) -> Dataset:

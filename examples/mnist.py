@@ -2,12 +2,15 @@
 
     mpiexec -n 5 python examples/mnist.py --sync backup       # 5 workers, the first 4 gradients of each round
     mpiexec -n 5 python examples/mnist.py --sync async        # rank 0 serves, 4 asynchronous workers
+    mpiexec -n 4 python examples/mnist.py --data fashion      # Fashion-MNIST (apt-get install dataset-fashion-mnist)
     mpiexec -n 4 python examples/mnist.py --mnist ~/data/mnist  # MNIST IDX files instead of the bundled digits
 
 Switch to Horovod by changing the import line below to `import horovod.torch as hvd` (then only `--sync bsp`
-applies). Data: scikit-learn's bundled 8x8 digits by default, or MNIST IDX files from a folder you already have.
-`--compute`, `--straggle` and `--every-epoch` are for benchmarks/horovod_stragglers.py: a batch's compute time
-slept, stragglers injected the same way whichever import line, and worker 0's test accuracy after each epoch.
+applies). Data: scikit-learn's bundled 8x8 digits by default, Fashion-MNIST from Debian's package
+dataset-fashion-mnist (`--data fashion`), or MNIST IDX files from a folder you already have; `--limit N` keeps the
+first N training and N test images (a quick run). `--compute`, `--straggle` and `--every-epoch` are for
+benchmarks/horovod_stragglers.py: a batch's compute time slept, stragglers injected the same way whichever import
+line, and worker 0's test accuracy after each epoch.
 """
 
 from __future__ import annotations
@@ -28,12 +31,17 @@ import collsync.torch as hvd  # was: import horovod.torch as hvd
 COLLSYNC = hvd.__name__.startswith("collsync")
 
 
-def load(mnist: str | None, seed: int) -> tuple[TensorDataset, TensorDataset, int]:
-    if mnist:
-        from collsync.data import mnist as read_mnist
+def load(data: str, folder: str | None, seed: int, limit: int | None) -> tuple[TensorDataset, TensorDataset, int]:
+    """The training and test sets as flat rows, and the number of features: `data` is digits, mnist (IDX files in
+    `folder`) or fashion (Fashion-MNIST in `folder`, by default where Debian's package puts it)."""
+    if data in ("mnist", "fashion"):
+        from collsync.data import FASHION_MNIST_DIR, fashion_mnist, mnist
 
-        data = read_mnist(mnist)
-        x, y, xt, yt = data.x_train, data.y_train, data.x_test, data.y_test
+        try:
+            read = fashion_mnist(folder or FASHION_MNIST_DIR) if data == "fashion" else mnist(folder or "")
+        except (FileNotFoundError, ValueError) as e:  # one line, as collsync-train says it, not a traceback
+            raise SystemExit(f"examples/mnist.py --data {data}: {e} (here: --mnist DIR)") from None
+        x, y, xt, yt = read.x_train, read.y_train, read.x_test, read.y_test
     else:
         # scikit-learn's digits (what `sklearn.datasets.load_digits()` returns), read without importing it: 2.5 s
         # less start-up on every rank.
@@ -45,6 +53,8 @@ def load(mnist: str | None, seed: int) -> tuple[TensorDataset, TensorDataset, in
         order = torch.from_numpy(np.random.default_rng(seed).permutation(len(y)))
         cut = int(0.75 * len(y))
         x, y, xt, yt = x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
+    if limit is not None:  # the same first rows on every rank, whichever import line
+        x, y, xt, yt = x[:limit], y[:limit], xt[:limit], yt[:limit]
     return TensorDataset(x.reshape(len(x), -1), y), TensorDataset(xt.reshape(len(xt), -1), yt), x[0].numel()
 
 
@@ -89,7 +99,17 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() as under Horovod")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--model", default="mlp", choices=["mlp", "cnn"], help="an MLP, or a small CNN")
-    parser.add_argument("--mnist", default=None, help="a folder with MNIST IDX files (default: bundled digits)")
+    parser.add_argument(
+        "--data",
+        default=None,
+        choices=["digits", "mnist", "fashion"],
+        help="digits (bundled), mnist (IDX files in --mnist), fashion (Fashion-MNIST: Debian's package "
+        "dataset-fashion-mnist, or its IDX files in --mnist); default: mnist where --mnist is given, else digits",
+    )
+    parser.add_argument(
+        "--mnist", default=None, help="a folder with MNIST (or, --data fashion, Fashion-MNIST) IDX files"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N training and N test images")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compute", type=float, default=0.0, help="seconds slept per batch (a larger model's)")
     parser.add_argument(
@@ -100,6 +120,11 @@ def main() -> None:
     )
     parser.add_argument("--every-epoch", action="store_true", help="worker 0's test accuracy after each epoch")
     args = parser.parse_args()
+    data = args.data or ("mnist" if args.mnist else "digits")
+    if data == "mnist" and not args.mnist:
+        parser.error("--data mnist reads the IDX files in --mnist DIR")
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit {args.limit}: must be >= 1")
 
     options = {}
     if COLLSYNC:
@@ -110,7 +135,7 @@ def main() -> None:
     else:
         hvd.init()
     torch.manual_seed(args.seed)
-    train, test, features = load(args.mnist, args.seed)
+    train, test, features = load(data, args.mnist, args.seed, args.limit)
     if COLLSYNC:  # torch's sampler, or in the stream modes the epoch's batches shared by the workers' speed
         sampler = hvd.DistributedSampler(train, seed=args.seed, drop_last=True, batch_size=args.batch_size)
     else:

@@ -141,6 +141,11 @@ ROWS = [
         "data stored as flat rows of 2 features have no image shape",
     ),
     Row("mnist-empty", ["data=mnist", "data.path={files}/mnist"], "has no train-images-idx3-ubyte"),
+    Row(
+        "fashion-mnist-missing",
+        ["data=fashion_mnist", "data.path={files}/no-fashion"],
+        "no-fashion' does not exist: install Debian's package dataset-fashion-mnist (as root: apt-get install ",
+    ),
     Row("cifar-size", ["data=cifar10", "data.path={files}/cifar"], "not a whole number of 3073-byte records"),
     # Errors once training started, with the progress bar on.
     Row(

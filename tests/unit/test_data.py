@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import inspect
+import json
+import re
 import struct
 from pathlib import Path
 
@@ -14,7 +17,17 @@ from omegaconf import OmegaConf
 
 from collsync import bundled
 from collsync import data as data_module
-from collsync.data import Batches, Dataset, cifar10, digits, mnist, npz, synthetic
+from collsync.data import (
+    FASHION_MNIST_DIR,
+    Batches,
+    Dataset,
+    cifar10,
+    digits,
+    fashion_mnist,
+    mnist,
+    npz,
+    synthetic,
+)
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -218,6 +231,141 @@ def test_mnist_fails_clearly(tmp_path):
         mnist(str(tmp_path / "nowhere"))
 
 
+# Fashion-MNIST: MNIST's layout under its own factory, with a default folder and a cache of the decompressed files.
+
+INSTALL = r"install Debian's package dataset-fashion-mnist \(as root: apt-get install dataset-fashion-mnist\)"
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The user cache moved into the test's folder: the folder the decompressed files go to."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "collsync"
+
+
+def _gunzips(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The files decompressed from here on (the cache answers the others)."""
+    seen: list[Path] = []
+    real = data_module._gunzip
+
+    def counted(path: Path, name: str) -> bytes:
+        seen.append(path)
+        return real(path, name)
+
+    monkeypatch.setattr(data_module, "_gunzip", counted)
+    return seen
+
+
+def _copies(cache: Path, stem: str) -> list[Path]:
+    """The cached decompressed copies of the file `stem` (not their .json records)."""
+    return [p for p in cache.glob(f"{stem}-*") if p.suffix != ".json"]
+
+
+def test_fashion_mnist_defaults_to_the_debian_packages_folder() -> None:
+    assert FASHION_MNIST_DIR == "/usr/share/datasets/fashion-mnist"
+    assert inspect.signature(fashion_mnist).parameters["path"].default == FASHION_MNIST_DIR
+
+
+def test_fashion_mnist_reads_the_idx_layout_as_mnist_does(tmp_path: Path, cache: Path) -> None:
+    _mnist_folder(tmp_path / "f", zipped=True)
+    data = fashion_mnist(str(tmp_path / "f"))
+    same = mnist(str(tmp_path / "f"))
+    assert data.name == "fashion_mnist" and data.classes == 10 and data.input_shape == (784,)
+    for a, b in zip(data[:4], same[:4], strict=True):
+        assert torch.equal(a, b)
+    assert fashion_mnist(str(tmp_path / "f"), flatten=False).input_shape == (1, 28, 28)
+    assert torch.equal(fashion_mnist(str(tmp_path / "f"), cache=False).x_train, data.x_train)
+
+
+@pytest.mark.parametrize("where", ["folder", "file"])
+def test_fashion_mnist_missing_names_the_package_and_its_install_command(tmp_path: Path, where: str) -> None:
+    if where == "folder":
+        path, missing = tmp_path / "nowhere", r"path='[^']*nowhere' does not exist"
+    else:
+        _mnist_folder(tmp_path, zipped=True)
+        (tmp_path / "t10k-images-idx3-ubyte.gz").unlink()
+        path, missing = tmp_path, r"path='[^']*' has no t10k-images-idx3-ubyte \(or t10k-images-idx3-ubyte\.gz\)"
+    with pytest.raises(FileNotFoundError) as caught:
+        fashion_mnist(str(path))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert re.match(rf"fashion_mnist: {missing}: {INSTALL}, or set data\.path to a folder holding", message), message
+
+
+def test_a_truncated_fashion_mnist_file_is_named(tmp_path: Path, cache: Path) -> None:
+    _mnist_folder(tmp_path / "f", zipped=True)
+    file = tmp_path / "f" / "train-images-idx3-ubyte.gz"
+    file.write_bytes(file.read_bytes()[:-20])  # the end of the stream lost, as a download cut short
+    with pytest.raises(ValueError, match=r"^fashion_mnist: '[^']*train-images-idx3-ubyte\.gz' cannot be read \("):
+        fashion_mnist(str(tmp_path / "f"))
+    assert not _copies(cache, "train-images-idx3-ubyte"), "a file that did not decompress was cached"
+
+
+def test_fashion_mnist_decompresses_once_then_reads_the_cache(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _mnist_folder(tmp_path / "f", zipped=True)
+    gunzipped = _gunzips(monkeypatch)
+    first = fashion_mnist(str(tmp_path / "f"))
+    assert len(gunzipped) == 4
+    copies = [copy for stem in data_module._MNIST_STEMS for copy in _copies(cache, stem)]
+    assert len(copies) == 4
+    for copy in copies:
+        record = json.loads(copy.with_name(copy.name + ".json").read_text())
+        raw = copy.read_bytes()
+        assert record["size"] == len(raw) and record["sha256"] == hashlib.sha256(raw).hexdigest()
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
+    again = fashion_mnist(str(tmp_path / "f"))
+    assert len(gunzipped) == 4  # nothing decompressed the second time
+    assert torch.equal(again.x_train, first.x_train) and torch.equal(again.y_test, first.y_test)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "record"])
+def test_a_damaged_cache_is_rebuilt(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
+    _mnist_folder(tmp_path / "f", zipped=True)
+    first = fashion_mnist(str(tmp_path / "f"))
+    (copy,) = _copies(cache, "train-images-idx3-ubyte")
+    good = copy.read_bytes()
+    if damage == "truncated":
+        copy.write_bytes(good[: len(good) // 2])
+    elif damage == "corrupt":  # same size, one pixel changed: only the hash tells
+        copy.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    else:
+        copy.with_name(copy.name + ".json").write_text("{not json")
+    gunzipped = _gunzips(monkeypatch)
+    again = fashion_mnist(str(tmp_path / "f"))
+    assert [p.name for p in gunzipped] == ["train-images-idx3-ubyte.gz"]  # that file alone decompressed again
+    assert torch.equal(again.x_train, first.x_train)
+    assert copy.read_bytes() == good
+    fashion_mnist(str(tmp_path / "f"))
+    assert len(gunzipped) == 1  # and read from the cache again afterwards
+
+
+def test_a_changed_source_gets_a_copy_of_its_own(tmp_path: Path, cache: Path) -> None:
+    _mnist_folder(tmp_path / "f", zipped=True)
+    fashion_mnist(str(tmp_path / "f"))
+    _idx(tmp_path / "f" / "train-labels-idx1-ubyte.gz", np.array([4, 3, 2, 1]), zipped=True)
+    assert fashion_mnist(str(tmp_path / "f")).y_train.tolist() == [4, 3, 2, 1]
+    assert len(_copies(cache, "train-labels-idx1-ubyte")) == 2
+
+
+def test_fashion_mnist_loads_where_the_cache_cannot_be_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _mnist_folder(tmp_path / "f", zipped=True)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))  # its collsync folder cannot be made
+    assert fashion_mnist(str(tmp_path / "f")).x_train.shape == (4, 784)
+
+
+def test_the_cache_folder_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert data_module.cache_dir() == tmp_path / "collsync"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: relative paths are invalid
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert data_module.cache_dir() == tmp_path / "home" / ".cache" / "collsync"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert data_module.cache_dir() == tmp_path / "home" / ".cache" / "collsync"
+
+
 def _cifar_folder(folder: Path, per_file: int = 2) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     names = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
@@ -294,7 +442,7 @@ def test_npz_fails_clearly(tmp_path):
 # --- configs ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option", ["digits", "synthetic", "npz", "mnist", "cifar10"])
+@pytest.mark.parametrize("option", ["digits", "synthetic", "npz", "mnist", "fashion_mnist", "cifar10"])
 def test_data_configs_name_the_factory_kwargs(option):
     cfg = OmegaConf.load(CONF / "data" / f"{option}.yaml")
     assert cfg._target_ == f"collsync.data.{option}"
@@ -307,6 +455,23 @@ def test_data_configs_name_the_factory_kwargs(option):
             assert params[key].default is inspect.Parameter.empty  # a required value stays required
         else:
             assert cfg[key] == params[key].default
+
+
+def test_data_fashion_mnist_resolves_to_the_debian_folder_and_says_how_to_install_it(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from collsync import schema
+    from collsync.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["data=fashion_mnist"])
+        moved = compose(config_name="config", overrides=["data=fashion_mnist", f"data.path={tmp_path / 'none'}"])
+    schema.check(cfg)
+    assert cfg.data.path == FASHION_MNIST_DIR and cfg.data.cache is True
+    # Hydra wraps the error (collsync-train prints its message alone: tests/integration/test_bad_inputs.py).
+    with pytest.raises(Exception, match=rf"'[^']*none' does not exist: {INSTALL}, or set data\.path"):
+        instantiate(moved.data)
 
 
 # --- the data checked whole at load ---------------------------------------------------------------------------------
