@@ -7,12 +7,7 @@ Every factory is a Hydra `_target_` (conf/data/<name>.yaml) taking keyword argum
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import json
 import math
-import os
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from functools import lru_cache
@@ -24,16 +19,11 @@ import torch
 
 from collsync.bundled import digits_arrays
 from collsync.datapath import existing
+from collsync.idx import cache_dir, idx_files, read_idx
 
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 """The arrays `npz` expects: features (any shape, first axis = rows) and integer labels 0..classes-1."""
 
-_MNIST_STEMS = (
-    "train-images-idx3-ubyte",
-    "train-labels-idx1-ubyte",
-    "t10k-images-idx3-ubyte",
-    "t10k-labels-idx1-ubyte",
-)
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 """Where Debian's package dataset-fashion-mnist puts Fashion-MNIST's four gzipped IDX files: `fashion_mnist`'s
@@ -260,106 +250,10 @@ def npz(path: str, flatten: bool = True) -> Dataset:
     return _dataset(where, xtr, ytr, xte, yte, arrays=NPZ_KEYS)._replace(name="npz")
 
 
-def cache_dir() -> Path:
-    """Where decompressed data files are kept between runs: $XDG_CACHE_HOME/collsync, else ~/.cache/collsync."""
-    base = os.environ.get("XDG_CACHE_HOME") or ""
-    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "collsync"
-
-
-def _gunzip(path: Path, name: str) -> bytes:
-    try:
-        with gzip.open(path, "rb") as f:
-            return f.read()
-    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a truncated file ends in EOFError
-        raise ValueError(f"{name}: {str(path)!r} cannot be read ({e})") from e
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """`data` in `path` by a temporary file renamed over it: a reader (another rank, say) sees the old file or the
-    new one whole, and two writers of the same bytes cannot interleave."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _cached_gunzip(path: Path, name: str, cache: Path) -> bytes:
-    """The decompressed bytes of the gzipped `path`, decompressed once and kept in `cache`.
-
-    A cached copy is used only where its size and sha256 match the ones recorded beside it when it was written, so
-    a truncated or damaged copy is decompressed and written again. The copy's name holds a hash of the source's
-    path, size and modification time: a changed source (a new version of the package) gets a copy of its own. Where
-    `cache` cannot be written the bytes are still returned: the next load decompresses again, nothing else.
-    """
-    stat = path.stat()
-    source = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    copy = cache / f"{path.name.removesuffix('.gz')}-{hashlib.sha256(source.encode()).hexdigest()[:16]}"
-    record = copy.with_name(copy.name + ".json")
-    try:
-        expected = json.loads(record.read_text())
-        if copy.stat().st_size == expected["size"]:  # a truncated copy costs no read
-            raw = copy.read_bytes()
-            if len(raw) == expected["size"] and hashlib.sha256(raw).hexdigest() == expected["sha256"]:
-                return raw
-    except (OSError, ValueError, KeyError, TypeError):  # no copy yet, or its record unreadable: decompress again
-        pass
-    raw = _gunzip(path, name)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        _write_atomic(copy, raw)  # the copy before its record: a record never vouches for a copy not yet written
-        entry = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest(), "source": str(path)}
-        _write_atomic(record, (json.dumps(entry) + "\n").encode())
-    except OSError:
-        pass
-    return raw
-
-
-def _read_idx(path: Path, name: str = "mnist", cache: Path | None = None) -> np.ndarray:
-    """An IDX file of unsigned bytes: magic 0x00 0x00 0x08 <ndim>, ndim big-endian uint32 sizes, then the data.
-
-    A gzipped file is decompressed in memory, or once into `cache` (see `_cached_gunzip`) where one is given."""
-    if path.suffix == ".gz":
-        raw = _gunzip(path, name) if cache is None else _cached_gunzip(path, name, cache)
-    else:
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise ValueError(f"{name}: {str(path)!r} cannot be read ({e})") from e
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08 or raw[3] == 0:
-        raise ValueError(f"{name}: {str(path)!r} is not an IDX file of unsigned bytes (magic {raw[:4].hex()})")
-    ndim = raw[3]
-    if len(raw) < 4 + 4 * ndim:
-        raise ValueError(f"{name}: {str(path)!r} is truncated inside its {ndim}-dimension header")
-    dims = np.frombuffer(raw, dtype=">u4", count=ndim, offset=4).astype(np.int64)
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != int(np.prod(dims)):
-        raise ValueError(f"{name}: {str(path)!r} holds {data.size} bytes of data, its header says {dims.tolist()}")
-    return data.reshape(dims)
-
-
-def _find_idx(folder: Path, stem: str, name: str = "mnist") -> Path:
-    # The original names, gzipped or not, and the "train-images.idx3-ubyte" spelling some mirrors use.
-    dotted = stem.replace("-idx", ".idx")
-    for file in (stem, f"{stem}.gz", dotted, f"{dotted}.gz"):
-        if (folder / file).is_file():
-            return folder / file
-    raise FileNotFoundError(f"{name}: path={str(folder)!r} has no {stem} (or {stem}.gz)")
-
-
-def _idx_files(name: str, path: str) -> list[Path]:
-    """The four IDX files of MNIST's layout in the folder `path`, in `_MNIST_STEMS`' order."""
-    folder = existing(name, Path(path))
-    return [_find_idx(folder, stem, name) for stem in _MNIST_STEMS]
-
-
 def _idx_dataset(name: str, files: list[Path], flatten: bool, cache: Path | None = None) -> Dataset:
     """Images and labels from four IDX files (train images, train labels, test images, test labels), pixels scaled
     to [0, 1], 10 classes; every message names `name` and the file."""
-    xtr, ytr, xte, yte = (_read_idx(f, name, cache) for f in files)
+    xtr, ytr, xte, yte = (read_idx(f, name, cache) for f in files)
     for images, labels, fi, fl in ((xtr, ytr, files[0], files[1]), (xte, yte, files[2], files[3])):
         if images.ndim != 3 or labels.ndim != 1:
             raise ValueError(
@@ -387,7 +281,7 @@ def mnist(path: str, flatten: bool = True) -> Dataset:
     Any data set in MNIST's IDX layout and file names loads the same way; Fashion-MNIST has a factory of its own
     (`fashion_mnist`: a default folder, a cache). `flatten=False` gives (1, 28, 28) images.
     """
-    return _idx_dataset("mnist", _idx_files("mnist", path), flatten)
+    return _idx_dataset("mnist", idx_files("mnist", path), flatten)
 
 
 def fashion_mnist(path: str = FASHION_MNIST_DIR, flatten: bool = True, cache: bool = True) -> Dataset:
@@ -401,7 +295,7 @@ def fashion_mnist(path: str = FASHION_MNIST_DIR, flatten: bool = True, cache: bo
     """
     name = "fashion_mnist"
     try:
-        files = _idx_files(name, path)
+        files = idx_files(name, path)
     except FileNotFoundError as e:
         raise FileNotFoundError(
             f"{e}: install Debian's package {FASHION_MNIST_PACKAGE} (as root: apt-get install {FASHION_MNIST_PACKAGE}),"

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from collsync import bundled
 from collsync import data as data_module
+from collsync import idx as idx_module
 from collsync.data import (
     FASHION_MNIST_DIR,
     Batches,
@@ -246,13 +247,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _gunzips(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """The files decompressed from here on (the cache answers the others)."""
     seen: list[Path] = []
-    real = data_module._gunzip
+    real = idx_module.gunzip
 
     def counted(path: Path, name: str) -> bytes:
         seen.append(path)
         return real(path, name)
 
-    monkeypatch.setattr(data_module, "_gunzip", counted)
+    monkeypatch.setattr(idx_module, "gunzip", counted)
     return seen
 
 
@@ -308,7 +309,7 @@ def test_fashion_mnist_decompresses_once_then_reads_the_cache(
     gunzipped = _gunzips(monkeypatch)
     first = fashion_mnist(str(tmp_path / "f"))
     assert len(gunzipped) == 4
-    copies = [copy for stem in data_module._MNIST_STEMS for copy in _copies(cache, stem)]
+    copies = [copy for stem in idx_module.MNIST_STEMS for copy in _copies(cache, stem)]
     assert len(copies) == 4
     for copy in copies:
         record = json.loads(copy.with_name(copy.name + ".json").read_text())
@@ -358,12 +359,12 @@ def test_fashion_mnist_loads_where_the_cache_cannot_be_written(tmp_path: Path, m
 
 def test_the_cache_folder_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert data_module.cache_dir() == tmp_path / "collsync"
+    assert idx_module.cache_dir() == tmp_path / "collsync"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: relative paths are invalid
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert data_module.cache_dir() == tmp_path / "home" / ".cache" / "collsync"
+    assert idx_module.cache_dir() == tmp_path / "home" / ".cache" / "collsync"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert data_module.cache_dir() == tmp_path / "home" / ".cache" / "collsync"
+    assert idx_module.cache_dir() == tmp_path / "home" / ".cache" / "collsync"
 
 
 def _cifar_folder(folder: Path, per_file: int = 2) -> None:
