@@ -7,13 +7,36 @@ resumed run is launched with its workers anew.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from collsync.rules.base import SIGNAL, plain, unplain
-from collsync.types import Arrival
+from collsync.types import Arrival, Flat
 
-if TYPE_CHECKING:
-    from collsync.server import Server
+
+class Server(Protocol):
+    """What a checkpoint holds of a `collsync.server.Server`, typed by its shape: the server imports this module,
+    so this one names the server's state here instead of importing it (mypy checks that the server fits)."""
+
+    params: Flat
+    ema: Flat | None
+    workers: int
+    version: int
+    opt_state: Any
+    pen_state: Any
+    pending: dict[int, list[Arrival]]
+    applied: int
+    dropped: int
+    received: list[int]
+    clocks: list[int]
+    contributed: list[int]
+    signal: float
+    _history: dict[int, Flat]
+    _last: dict[int, Flat]
+    _oldest: list[int]
+    _armed: int | None
+    _view: Flat | None
+
+    def _optimizer_stats(self) -> dict[str, float]: ...
 
 
 def state_of(server: Server) -> dict[str, Any]:

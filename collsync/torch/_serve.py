@@ -49,7 +49,6 @@ from collsync.trace import Trace
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from collsync.torch._world import World
 
 TAG_JOB = 7301
 TAG_LOST = 7302  # server rank 0 -> each live worker at the end: the workers it lost
@@ -77,16 +76,17 @@ def _wait_for(world: MPI.Comm, source: int, tag: int) -> Any:
     return world.recv(source=source, tag=tag)
 
 
-def serve_forever(st: World) -> None:
-    """Serve every job worker 0 sends, then exit the process (status 0). Errors abort the world naming the rank."""
+def serve_forever(world: MPI.Comm, servers: int) -> None:
+    """Serve every job worker 0 sends (on `world`, whose ranks below `servers` serve), then exit the process
+    (status 0). Errors abort the world naming the rank."""
     lost: set[int] = set()
     last: Job | None = None
-    with abort_on_error(st.world, (ValueError, TimeoutError)):
+    with abort_on_error(world, (ValueError, TimeoutError)):
         while True:
-            job = _wait_for(st.world, st.servers, TAG_JOB)
+            job = _wait_for(world, servers, TAG_JOB)
             if job is None:
                 break
-            lost |= serve(st.world, st.servers, job)
+            lost |= serve(world, servers, job)
             last = job
     sys.stdout.flush()
     if lost:
@@ -94,10 +94,10 @@ def serve_forever(st: World) -> None:
         # MPI_Finalize would wait for the lost worker for ever (MPICH's waits on every rank of the world). Under
         # MPICH server rank 0 ends the job once every live worker's script ended: mpiexec would wait for ever on
         # a lost worker's host it cannot reach (a partition), and the abort is the word it acts on at once.
-        if st.world.Get_rank() == 0 and not open_mpi():
-            live = [st.servers + w for w in range(last.workers) if w not in lost]
-            hear_byes(st.world, live)
-            ending.end(0, comm=st.world)
+        if world.Get_rank() == 0 and not open_mpi():
+            live = [servers + w for w in range(last.workers) if w not in lost]
+            hear_byes(world, live)
+            ending.end(0, comm=world)
         ending.end(0)
     sys.exit(0)
 
@@ -178,8 +178,8 @@ def send_job(world: MPI.Comm, servers: int, job: Job) -> None:
         request.wait()
 
 
-def release_servers(st: World) -> None:
-    """At the workers' shutdown: worker 0 tells the server ranks to exit."""
-    if st.comm.Get_rank() == 0:
-        for j in range(st.servers):
-            st.world.send(None, dest=j, tag=TAG_JOB)
+def release_servers(world: MPI.Comm, servers: int, worker: int) -> None:
+    """At the workers' shutdown: worker 0 (`worker`, its rank among the workers) tells the server ranks to exit."""
+    if worker == 0:
+        for j in range(servers):
+            world.send(None, dest=j, tag=TAG_JOB)

@@ -155,7 +155,7 @@ def _serve(st: World) -> None:
     from collsync.torch._serve import serve_forever
 
     _STATE = st
-    serve_forever(st)
+    serve_forever(st.world, st.servers)
 
 
 def _again(st: World, asked: dict[str, Any]) -> None:
@@ -240,7 +240,7 @@ def shutdown() -> None:
     if st.servers and st.serve and st.role == "worker":
         from collsync.torch._serve import release_servers  # lazily, as in `init`: the server side's module
 
-        release_servers(st)
+        release_servers(st.world, st.servers, st.comm.Get_rank())
     _STATE = None
 
 
