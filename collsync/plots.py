@@ -73,8 +73,8 @@ def _series(rows: Rows, x: str, key: str) -> tuple[list[float], list[float]]:
 
 def _rows(data: TraceLike | Rows) -> Rows:
     if isinstance(data, Trace) or any("ev" in r for r in data):
-        return metrics_rows(data)  # type: ignore[arg-type]
-    return data  # type: ignore[return-value]
+        return metrics_rows(data)
+    return data
 
 
 def plot_accuracy(data: TraceLike | Rows, path: str | Path, x: str = "time", clock: str | None = None) -> Path:

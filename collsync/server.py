@@ -241,14 +241,17 @@ class Server:
                 self._drop(arrival, "finished")
         self.pending.clear()
 
+    def _key(self) -> int:
+        """The buffer the current update collects into: its round, or -1 for a stream's one buffer."""
+        return self.version if self.policy.rounds else -1
+
     def _advance(self) -> None:
-        key = (lambda: self.version) if self.policy.rounds else (lambda: -1)
         full = self.full
-        while not self.done and len(self.pending.get(key(), ())) >= full:
-            batch = self.pending.pop(key())
+        while not self.done and len(self.pending.get(self._key(), ())) >= full:
+            batch = self.pending.pop(self._key())
             self._apply(batch[:full])
             if batch[full:]:
-                self.pending[key()] = batch[full:]
+                self.pending[self._key()] = batch[full:]
         if self.done:
             # Gradients buffered for later rounds (SSP) can never be applied now.
             self.drain()

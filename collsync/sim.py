@@ -100,7 +100,7 @@ class Simulator:
     def _compute_time(self, worker: int, index: int) -> float:
         if self.sampler is None:
             return 1.0
-        return self.sampler.compute_time(worker, index) + self.sampler.message_delay(worker, index)
+        return float(self.sampler.compute_time(worker, index) + self.sampler.message_delay(worker, index))
 
     def _frozen(self, worker: int) -> bool:
         return self.sampler is not None and self.sampler.is_frozen(worker, self.now)

@@ -42,7 +42,7 @@ class LookaheadState(NamedTuple):
 def lookahead_distance(momentum: float, horizon: float, nesterov: bool = False) -> float:
     """sum_{k=1..d} gamma^k (heavy ball) or sum_{k=2..d+1} gamma^k (Nesterov, whose step is gamma v): how many v's
     of momentum the next d updates move the parameters by when no gradient arrives. d may be fractional (a mean)."""
-    total = momentum * (1 - momentum**horizon) / (1 - momentum)  # 0 at d = 0 or gamma = 0; gamma < 1 is checked
+    total = momentum * (1 - float(momentum**horizon)) / (1 - momentum)  # 0 at d = 0 or gamma = 0; gamma < 1 is checked
     return total * momentum if nesterov else total
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from collsync.runtime.mpi_rma import Backoff
+from collsync.runtime.mpi_windows import Backoff
 from collsync.runtime.mpi_world import RankLost, lost
 from collsync.types import Flat
 

@@ -116,7 +116,7 @@ from collsync.runtime.mpi_partial_windows import (
     tag_state,
     writing_tag,
 )
-from collsync.runtime.mpi_rma import Backoff
+from collsync.runtime.mpi_windows import Backoff
 from collsync.runtime.mpi_world import RankLost
 from collsync.types import Flat
 

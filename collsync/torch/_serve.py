@@ -40,7 +40,7 @@ import torch
 from collsync import ending
 from collsync.policy import SyncPolicy
 from collsync.rules import combine
-from collsync.runtime.mpi_rma import Backoff
+from collsync.runtime.mpi_windows import Backoff
 from collsync.runtime.mpi_world import abort_on_error, open_mpi
 from collsync.server import Server
 from collsync.serving import Serving, ShardEngine
