@@ -173,7 +173,7 @@ def _speculative(worker: Worker, mailbox: WorkerMailbox, grads: GradFn, params: 
     with the model seconds thrown away, reported to the scheduler's rank). None: training ended meanwhile."""
     started = time.monotonic()
     while True:
-        speculator.computing = worker.version
+        speculator.state.start(worker.version)
         try:
             grad = grads(params, worker.rank, worker.steps)
         except Aborted:
@@ -182,7 +182,7 @@ def _speculative(worker: Worker, mailbox: WorkerMailbox, grads: GradFn, params: 
                 return None
             started = time.monotonic()
             continue
-        speculator.computing = -1
+        speculator.state.finish()
         return grad
 
 

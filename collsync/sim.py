@@ -31,7 +31,7 @@ from collsync.loops import GradFn, Worker
 from collsync.margin import Margin, RoundTimes, check_margin
 from collsync.policy import SyncPolicy
 from collsync.server import Server
-from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Scheduler
+from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Scheduler, SpecWorker
 from collsync.trace import Trace
 from collsync.types import Arrival, Flat
 
@@ -87,11 +87,10 @@ class Simulator:
         # SpecSync (set up by `run` or `load_state_dict` when the policy speculates or waits).
         self.scheduler: Scheduler | None = None
         self._current: list[list[float] | None] = [None] * workers  # computing: [start time, push event's seq]
-        self._tag = [0] * workers  # the scheduler's iteration of each worker's gradient under way
+        self._spec = [SpecWorker() for _ in range(workers)]  # each worker's side of abort and restart
         self._cancelled: set[int] = set()  # seqs of the push events of aborted gradients
         self._pull_at = [0.0] * workers  # naive waiting: no pull before this time
         self._deferred: set[int] = set()  # workers with a _PULL event pending
-        self.spec_stats = {"aborts": 0, "wasted_s": 0.0, "resyncs_ignored": 0}
 
     def _schedule(self, t: float, kind: int, worker: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, worker, payload))
@@ -140,6 +139,7 @@ class Simulator:
             current = self._current[w] if kind == _PUSH else None
             if current is not None and current[1] == seq:
                 self._current[w] = None  # its computation is over: a re-sync now comes too late to abort it
+                self._spec[w].finish()
                 if self.scheduler is not None:
                     self._pull_at[w] = t + self.scheduler.speculation.wait
             if kind == _TIMER:
@@ -238,7 +238,7 @@ class Simulator:
         if self.scheduler is not None and worker.steps > 0:
             # Alg. 2, worker lines 8-10: push, pull, then notify; the scheduler opens this worker's period.
             self.scheduler.notify(w, self.now)
-            self._tag[w] = self.scheduler.iteration[w]
+            self._spec[w].notify()  # the scheduler's iteration for this worker: its re-sync names it
             due = self.scheduler.timers[w]
             if due is not None:
                 self._schedule(due, _TIMER, w, None)
@@ -253,6 +253,7 @@ class Simulator:
         assert params is not None  # a worker's first opportunity always fetches
         arrival = worker.arrival(self._grads(params, w, index))
         self._current[w] = [self.now, self._seq]
+        self._spec[w].start(worker.version)
         self._schedule(self.now + self._compute_time(w, index), _PUSH, w, arrival)
 
     def _speculate(self, policy: SyncPolicy) -> None:
@@ -265,22 +266,31 @@ class Simulator:
         than the server's (a re-sync that would restart on the same parameters gains nothing: it is ignored)."""
         assert self.scheduler is not None
         for w, iteration in self.scheduler.expire(self.now):
-            current, worker = self._current[w], self._workers[w]
-            if current is None or self._tag[w] != iteration or server.stamp().version <= worker.version:
-                self.spec_stats["resyncs_ignored"] += 1
+            spec, worker, current = self._spec[w], self._workers[w], self._current[w]
+            if not spec.resync(iteration, server.stamp().version):
                 continue
+            assert current is not None  # a gradient under way (`SpecWorker.computing`) has its push event
             started, seq = current
             self._cancelled.add(int(seq))
             self._current[w] = None
             worker.steps -= 1  # the aborted gradient was never sent: its batch is computed again
             wasted = self.now - started
-            self.spec_stats["aborts"] += 1
-            self.spec_stats["wasted_s"] += wasted
+            spec.aborted(wasted)
             self.trace.record("abort", worker=w, clock=worker.clock, version=worker.version, wasted=wasted)
             clock = worker.restart(server.stamp())
             self._held[w] = server.view()
             self.trace.record("start", worker=w, clock=clock, version=worker.version, restart=True)
             self._compute(w)
+
+    @property
+    def spec_stats(self) -> dict[str, float]:
+        """SpecSync's worker-side counts, summed over the workers: aborts, the model seconds they threw away, and
+        the re-syncs ignored (for a gradient already pushed, or with no newer version to restart on)."""
+        return {
+            "aborts": sum(spec.aborts for spec in self._spec),
+            "wasted_s": math.fsum(spec.wasted_s for spec in self._spec),
+            "resyncs_ignored": sum(spec.ignored for spec in self._spec),
+        }
 
     def specsync_summary(self, numel: int, itemsize: int = 4) -> dict[str, Any]:
         """SpecSync's counts and the paper's Fig. 13 breakdown of bytes moved: pushes and pulls (as without
@@ -331,11 +341,10 @@ class Simulator:
             else {
                 "scheduler": self.scheduler.state_dict(),
                 "current": [list(c) if c is not None else None for c in self._current],
-                "tag": list(self._tag),
+                "workers": [asdict(spec) for spec in self._spec],
                 "cancelled": sorted(self._cancelled),
                 "pull_at": list(self._pull_at),
                 "deferred": sorted(self._deferred),
-                "stats": dict(self.spec_stats),
             },
         }
 
@@ -365,9 +374,9 @@ class Simulator:
         if self.scheduler is not None and spec is not None:
             self.scheduler.load_state_dict(spec["scheduler"])
             self._current = [list(c) if c is not None else None for c in spec["current"]]
-            self._tag, self._cancelled = list(spec["tag"]), set(spec["cancelled"])
+            self._spec = [SpecWorker(**saved) for saved in spec["workers"]]
+            self._cancelled = set(spec["cancelled"])
             self._pull_at, self._deferred = list(spec["pull_at"]), set(spec["deferred"])
-            self.spec_stats = dict(spec["stats"])
 
     def _backup_rounds(self, server: Server) -> None:
         """Backup rounds with a margin: the server collects past its quorum (`Server.wait_after_quorum`)."""

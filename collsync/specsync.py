@@ -128,6 +128,50 @@ def tune(
     return best
 
 
+@dataclass
+class SpecWorker:
+    """A worker's side of SpecSync's abort and restart (Alg. 2, worker lines 5-10), on any clock: the one state
+    machine the simulator (one per simulated worker) and both MPI fronts (`runtime.mpi_specsync.Speculator`, which
+    carries its messages) run.
+
+    A gradient starts on a version (`start`) after the worker's notify (`notify`: its iteration tags the scheduler's
+    re-sync); it ends pushed (`finish`) or aborted (`aborted`). A re-sync is decided once, when the worker sees it
+    (`resync`): it aborts the gradient under way only if it answers that gradient's notify and the server already
+    holds a newer version than the gradient's (restarting on the same parameters gains nothing); else it is ignored
+    and counted. The aborted batch then starts over on the newest parameters (`loops.Worker.restart`).
+    """
+
+    iteration: int = 0  # notifies sent
+    computing: int = -1  # the version of the gradient under way (-1: none)
+    aborts: int = 0
+    wasted_s: float = 0.0  # the seconds (model seconds in the simulator) the aborted gradients had taken
+    ignored: int = 0  # re-syncs seen and not acted on
+
+    def notify(self) -> int:
+        """After a push and its pull (Alg. 2 line 10): the iteration the scheduler's re-sync will name."""
+        self.iteration += 1
+        return self.iteration
+
+    def start(self, version: int) -> None:
+        self.computing = version
+
+    def finish(self) -> None:
+        self.computing = -1
+
+    def resync(self, iteration: int, newest: int) -> bool:
+        """A re-sync for notify `iteration` is seen while the server's newest version is `newest`: whether the
+        gradient under way aborts."""
+        if iteration != self.iteration or self.computing < 0 or newest <= self.computing:
+            self.ignored += 1
+            return False
+        return True
+
+    def aborted(self, wasted: float) -> None:
+        self.computing = -1
+        self.aborts += 1
+        self.wasted_s += wasted
+
+
 class Scheduler:
     """The central scheduler of Alg. 2 for `workers` workers, on a clock the caller passes (`now`).
 

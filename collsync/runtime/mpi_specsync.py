@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Aborted, Scheduler, Speculation
+from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Aborted, Scheduler, Speculation, SpecWorker
 from collsync.trace import Trace
 from collsync.types import Flat, Stamp
 
@@ -167,10 +167,11 @@ class SchedulerService:
 
 
 class Speculator:
-    """A worker's side: notify after each push and pull, look for a re-sync at safe points, report aborts.
+    """A worker's side: notify after each push and pull, look for a re-sync at safe points, report aborts. The
+    decisions are `state`'s (`specsync.SpecWorker`, the simulator's too); this class carries the messages.
 
-    `version()` is the newest version the server published (a re-sync is acted on only if it is newer than
-    `self.computing`, the version of the gradient under way); `clock_version()` gives (clock, version) of it.
+    `peek()` reads the newest version the server published (a re-sync is acted on only if it is newer than the
+    gradient under way's, `state.computing`).
     """
 
     def __init__(self, comm: MPI.Comm, worker: int, scheduler_rank: int, scale: float, peek: Any) -> None:
@@ -179,22 +180,18 @@ class Speculator:
         self.MPI, self.comm, self.worker, self.rank0, self.scale = MPI, comm, worker, scheduler_rank, scale
         self.tracer = 0  # rank 0 traces the aborts (the scheduler may have a rank of its own)
         self.peek = peek
-        self.iteration = 0  # notifies sent
-        self.computing = -1  # the version the gradient under way is computed on (-1: none)
-        self.pending = False  # a re-sync for the gradient under way came
+        self.state = SpecWorker()  # notifies sent, the gradient under way, aborts and the seconds they cost
+        self.seen: int | None = None  # the iteration of the last re-sync received and not yet decided on
         self.requests: list[Any] = []
         self.bytes = 0
         self.resync_bytes = 0  # parameters pulled again after aborts (counted by `loops.run_worker`)
-        self.aborts = 0  # gradients this worker aborted (reported)
-        self.wasted_s = 0.0  # ... and the model seconds they had taken
         self.summary: dict[str, Any] | None = None  # the scheduler's counts, when `drain(told=True)` got them
         self._buf = np.empty(1, dtype=np.int64)
         self._said_bye = False
 
     def notify(self) -> None:
-        self.iteration += 1
-        self.pending = False
-        buf = np.array([self.worker, self.iteration], dtype=np.int64)
+        iteration = self.state.notify()
+        buf = np.array([self.worker, iteration], dtype=np.int64)
         self.requests.append(self.comm.Isend(buf, dest=self.rank0, tag=NOTIFY))
         self.bytes += NOTIFY_BYTES
         self.requests = [r for r in self.requests if not r.Test()]
@@ -203,16 +200,21 @@ class Speculator:
         while self.comm.Iprobe(source=self.rank0, tag=RESYNC):
             self.comm.Recv(self._buf, source=self.rank0, tag=RESYNC)
             self.bytes += RESYNC_BYTES
-            if int(self._buf[0]) == self.iteration and self.iteration > 0:
-                self.pending = True
+            if self.seen is not None:
+                self.state.resync(self.seen, -1)  # superseded before a safe point saw it: ignored, counted
+            self.seen = int(self._buf[0])
 
     def check(self) -> None:
-        """A safe point: raise `Aborted` if a re-sync for this gradient came and the server has newer parameters."""
-        if self.computing < 0:
+        """A safe point: raise `Aborted` if a re-sync for this gradient came and the server has newer parameters
+        (`SpecWorker.resync` decides, once per re-sync: the server's version is read only when one came)."""
+        if self.state.computing < 0:
             return
         self._take()
-        if self.pending and self.peek().version > self.computing:
-            self.pending = False
+        if self.seen is None:
+            return
+        iteration, self.seen = self.seen, None
+        newest = self.peek().version if iteration == self.state.iteration else -1
+        if self.state.resync(iteration, newest):
             raise Aborted
 
     def report(self, clock: int, version: int, wasted: float) -> None:
@@ -220,8 +222,7 @@ class Speculator:
         buf = np.array([self.worker, clock, version, wasted], dtype=np.float64)
         self.requests.append(self.comm.Isend(buf, dest=self.tracer, tag=ABORT))
         self.bytes += ABORT_BYTES
-        self.aborts += 1
-        self.wasted_s += wasted
+        self.state.aborted(wasted)
 
     def resync(self, worker: Any, mailbox: Any, params: Flat, wasted: float) -> Stamp:
         """The one abort-and-restart of both MPI fronts (004_... Alg. 2, worker lines 5-7), after `Aborted`: the
@@ -230,7 +231,6 @@ class Speculator:
         aborted gradient was on, which the policy allowed; the bytes count as re-sync pulls), and `worker`
         (`loops.Worker`) restarts its batch on them unless training ended meanwhile (`stamp.done`). The simulator
         does the same on its virtual clock (`sim.Simulator._resync`)."""
-        self.computing = -1
         self.report(worker.clock, worker.version, wasted)
         before = mailbox.bytes_fetched
         stamp: Stamp = mailbox.read(params, lambda _: True)
@@ -246,7 +246,7 @@ class Speculator:
 
     def bye(self) -> None:
         """This worker sends nothing more (BYE to the scheduler's rank and to rank 0; once)."""
-        self.computing = -1
+        self.state.finish()
         if self._said_bye:
             return
         self._said_bye = True

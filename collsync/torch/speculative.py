@@ -98,7 +98,10 @@ class Speculating:
     # -- the step -----------------------------------------------------------------------------------------------
     def computing(self) -> None:
         """A gradient starts on the parameters the model holds now (after a pull)."""
-        self.speculator.computing = -1 if self.mode.finished else self.mode.worker.version
+        if self.mode.finished:
+            self.speculator.state.finish()
+        else:
+            self.speculator.state.start(self.mode.worker.version)
         self.started = time.monotonic()
 
     def before_pull(self) -> None:
@@ -193,9 +196,10 @@ class Speculating:
         """This worker's counts, and the scheduler's once the optimizer closed (`scheduler`; None before)."""
         sp = self.speculator
         return {
-            "aborts": sp.aborts,
-            "wasted_s": sp.wasted_s,
-            "notifies": sp.iteration,
+            "aborts": sp.state.aborts,
+            "wasted_s": sp.state.wasted_s,
+            "resyncs_ignored": sp.state.ignored,
+            "notifies": sp.state.iteration,
             "resync_pull_bytes": sp.resync_bytes,
             "message_bytes": sp.bytes,
             "scheduler": sp.summary,
