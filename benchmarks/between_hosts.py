@@ -50,12 +50,20 @@ def _f(x: float) -> str:
 
 
 def _pushpull(d: dict[str, Any]) -> str:
-    return f"pull {_f(d['pull_ratio'])}, push {_f(d['push_ratio'])} of the raw Get / Put's speed"
+    said = f"pull {_f(d['pull_ratio'])}, push {_f(d['push_ratio'])} of the raw Get / Put's speed"
+    rma = d.get("rma_per_op", {})
+    trips = ", ".join(f"{k} {_f(v['round_trips'] - v['waits'])} + {_f(v['waits'])} polls" for k, v in rma.items())
+    return said + (f"; round trips: {trips}" if trips else "")
 
 
 def _partial(d: dict[str, Any]) -> str:
     r = d["ratio_to_allreduce"]
-    return f"quorum n {_f(r['partial_n'])}, quorum n - 1 {_f(r['partial_n_minus_1'])} of `Allreduce`'s time"
+    said = f"quorum n {_f(r['partial_n'])}, quorum n - 1 {_f(r['partial_n_minus_1'])} of `Allreduce`'s time"
+    rma = d.get("rma_per_round", {}).get(f"quorum {d['ranks'] - 1}")
+    if rma:  # the protocol's own round trips per round (the most of any rank), and the polls that waited
+        polls = max(m["waits"] for m in rma["per_rank"])
+        said += f"; quorum n - 1: {_f(rma['max_protocol_round_trips'])} round trips + up to {_f(polls)} polls a rank"
+    return said
 
 
 def _psp(d: dict[str, Any]) -> str:

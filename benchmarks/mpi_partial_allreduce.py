@@ -7,14 +7,17 @@ Baseline: mpi4py `Allreduce` in place on a float32 numpy buffer, then the divisi
 applies). Partial: `PartialAllreduce.__call__(grad, quorum=n, round=t, out=out)`
 (`collsync/runtime/mpi_partial.py`): at full quorum one allreduce on a duplicate communicator (blocking here, as no
 `timeout` is set; with one, an `MPI_Iallreduce` waited for up to it), the gradient copied into `out` first as the
-baseline copies it into its buffer. Also timed: the baseline's `Allreduce` by hand on a torch tensor's buffer over
-a duplicate communicator (the full-quorum path without its bookkeeping), the partial allreduce without `out` (a
-new 4 MiB mean per round, what `rounds.run_partial` does), and quorum n - 1 (one backup, the fastest n - 1 counted:
+baseline copies it into its buffer. Also timed: the baseline's `Allreduce` by hand on a torch tensor's buffer over a
+duplicate communicator (the full-quorum path without its bookkeeping), the partial allreduce without `out` (a new 4
+MiB mean per round, what `rounds.run_partial` does), and quorum n - 1 (one backup, the fastest n - 1 counted:
 tickets, Puts to the host's window, each contributor summing one block of the slots in rank order, every rank
-Getting the mean), for scale. Each rep starts with a `Barrier` so the sides start from ranks in step; the time is
-the slowest rank's. Correctness: the partial mean equals the allreduce mean to float32 rounding (MPI may sum in
-another order on the duplicate communicator).
-"""
+Getting the mean), for scale, and quorum n - 1 again on a second `PartialAllreduce` made countable (`Windows.count`:
+every one-sided call counted as it is made), which prices the counting itself; the uncounted one calls its mpi4py
+windows directly, as before counting existed. Each rep starts with a `Barrier` so the sides start from ranks in
+step; the time is the slowest rank's. After the timing, `--count-rounds` rounds of each partial side run on
+countable objects and the JSON gives, per rank, the remote one-sided operations (by kind), the blocking round trips
+(`Flush` calls) and the bytes moved per round (`rma_per_round`). Correctness: the partial mean equals the allreduce
+mean to float32 rounding (MPI may sum in another order on the duplicate communicator)."""
 
 from __future__ import annotations
 
@@ -31,12 +34,14 @@ import torch
 from mpi4py import MPI
 
 from collsync.runtime.mpi_partial import PartialAllreduce
+from collsync.runtime.mpi_windows import RmaCounts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=1 << 20)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--count-rounds", type=int, default=20, help="rounds per side counted after the timing")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mpi_partial_allreduce.json")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
@@ -64,13 +69,19 @@ def main() -> None:
     def partial(quorum: int, into: torch.Tensor | None) -> Callable[[], object]:
         return lambda: pa(grad, quorum, next(rounds), out=into)
 
-    with PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pa:
+    counted_rounds = itertools.count()
+    with (
+        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pa,
+        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pc,
+    ):
+        counts = pc.count(RmaCounts())
         sides: dict[str, Callable[[], object]] = {
             "allreduce": allreduce,
             "allreduce_torch": allreduce_torch,
             "partial_n": partial(n, out),
             "partial_n_alloc": partial(n, None),
             "partial_n_minus_1": partial(n - 1, out),
+            "partial_n_minus_1_counted": lambda: pc(grad, n - 1, next(counted_rounds), out=out),
         }
         times: dict[str, list[float]] = {name: [] for name in sides}
         for rep in range(args.reps):
@@ -84,6 +95,9 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t)
         # Checked once, after the timing: a check between the sides would warm `buf` (and allocate) for the next.
         worst = float(np.abs(pa(grad, n, next(rounds)).mean.numpy() - buf).max())
+        rma = {
+            f"quorum {q}": per_round(pc, counts, q, counted_rounds, grad, out, args.count_rounds) for q in (n, n - 1)
+        }
     dup.Free()
     # The slowest rank's time per rep (a collective ends when its last rank does).
     slowest = {k: np.max(comm.allgather(np.array(v)), axis=0).tolist() for k, v in times.items()}
@@ -110,11 +124,48 @@ def main() -> None:
             "ratio_to_allreduce": {k: med[k] / med["allreduce"] for k in times if k != "allreduce"},
             "median_per_rep_ratio": per_rep,
             "max_abs_diff": worst,
+            "rma_per_round": rma,
             "target": "partial_n <= 1.10",
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
+
+
+def per_round(
+    pc: PartialAllreduce,
+    counts: RmaCounts,
+    quorum: int,
+    rounds: itertools.count[int],
+    grad: torch.Tensor,
+    out: torch.Tensor,
+    reps: int,
+) -> dict[str, object]:
+    """`reps` rounds of `quorum` on the countable `pc`, each rank's calls counted round by round (collective): per
+    rank the mean over the rounds of its remote operations (and by kind), blocking round trips and bytes moved;
+    `max` the largest of them over the ranks and rounds (the critical path is at most that many round trips)."""
+    taken = []
+    for _ in range(reps):
+        pc.comm.Barrier()
+        before = counts.copy()
+        pc(grad, quorum, next(rounds), out=out)
+        taken.append(counts.minus(before))
+    mine = {
+        "remote_ops": statistics.mean(c.remote_ops for c in taken),
+        "round_trips": statistics.mean(c.round_trips for c in taken),
+        "data_mb": statistics.mean(c.data_bytes for c in taken) / 1e6,
+        "waits": statistics.mean(c.waits for c in taken),
+        "protocol_round_trips": statistics.mean(c.round_trips - c.waits for c in taken),
+        "max_round_trips": max(c.round_trips for c in taken),
+        "by_kind": {k: statistics.mean(c.ops[k] for c in taken) for k in counts.ops},
+    }
+    every = pc.comm.gather(mine, root=0) or []
+    return {
+        "per_rank": every,
+        "max_round_trips": max((m["max_round_trips"] for m in every), default=0),
+        "mean_round_trips": statistics.mean(m["round_trips"] for m in every) if every else 0,
+        "max_protocol_round_trips": max((m["protocol_round_trips"] for m in every), default=0),
+    }
 
 
 if __name__ == "__main__":

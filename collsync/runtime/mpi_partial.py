@@ -14,7 +14,8 @@ encodings and the waits, and this module the rounds); `depth` rounds of results 
     ring   float[depth * numel]   the mean of round t in entry t % depth
     ctrl   int64[depth * (5 + n) + 4 * n]
            per ring entry: [tickets, tag, blocks, quorum, count, ranks[n]]   (ranks: the sorted contributors, -1
-           padded; blocks: how many of the round's blocks are summed)
+           padded; blocks: how many of the round's blocks are summed; each record word stamped with its round,
+           `mpi_partial_windows.stamp`, so that one read of tag and record can tell a record not yet all there)
            then posted[n] (the round whose contribution sits in rank r's slot), read[n] (rounds rank r has read),
            summed[n] (the last round whose block rank r summed: a timeout names a contributor that stopped),
            waited[n] (the last full-quorum round in which rank r timed out: the roll call below)
@@ -32,17 +33,20 @@ is never read half-written. One round t at rank r:
    then posted[r] <- t. The Flush before the flag is what guarantees nobody sees the flag before the data.
 4. ticket = quorum - 1 (the quorum-th arrival) closes the round: `Fetch_and_op(SUM, CLOSED)` on `tickets` (at once,
    or after the margin below), whose answer is how many tickets came before it (the count: `quorum` without a
-   margin); waits until that many ranks posted round t, writes the record (blocks <- 0, quorum, count, ranks),
-   Flush, then tag <- "summing t".
-5. each contributor, on seeing "summing t", sums its block: the vector is cut into `count` blocks, and the i-th
+   margin); waits until that many ranks posted round t, then writes tag <- "summing t" and the record (blocks <- 0,
+   quorum, count, ranks), stamped with t, in one `Accumulate(REPLACE)` and one Flush.
+5. each contributor, on seeing "summing t" with a record all stamped t (tag and record in one `Get_accumulate`: MPI
+   makes each word atomic, not the words together, so a record not yet all there reads as pending), sums its block:
+   the vector is cut into `count` blocks, and the i-th
    contributor (in rank order) Gets block i of every counted slot, adds them in rank order (so the bits depend
    neither on arrival order nor on the cut: each element is the same additions as one rank summing it all),
-   divides by `count`, Puts it into the ring, Flush, then summed[r] <- t and `blocks += 1`; whoever makes it
-   `count` sets tag <- t.
+   divides by `count`, Puts it into the ring, Flush, then summed[r] <- t and `blocks += 1` under one Flush; whoever
+   makes it `count` sets tag <- t.
    The sum is spread over the contributors as `MPI_Allreduce`'s reduce-scatter spreads it, instead of one rank
    copying 2 * quorum vectors while the others wait.
-6. everyone reads: wait for tag = t; Get record and mean; Flush; re-read tag (a seqlock). If the tag moved, the
-   entry was reused while being read: a `RuntimeError`, never a silently torn mean. Then read[r] <- t + 1.
+6. everyone reads: wait for tag = t (its record read with it, as in 5); Get the mean; Flush; re-read tag (a
+   seqlock). If the tag moved, the entry was reused while being read: a `RuntimeError`, never a silently torn mean.
+   Then read[r] <- t + 1.
 
 Each rank reads every round's mean exactly once and in order, so replicas that apply the means stay bit-identical.
 
@@ -106,6 +110,7 @@ from collsync.runtime.mpi_coll import wait
 from collsync.runtime.mpi_partial_windows import (
     OVERWRITTEN,
     READY,
+    STAMP,
     SUMMING,
     PartialWindows,
     _posted_for,
@@ -113,6 +118,7 @@ from collsync.runtime.mpi_partial_windows import (
     check_call,
     check_out,
     split,
+    stamp,
     tag_state,
     writing_tag,
 )
@@ -200,11 +206,12 @@ class PartialAllreduce(PartialWindows):
                 f"round {round_} combines, but fewer than {count} ranks have posted their data" + self._late(round_)
             ),
         )
-        entry = self._entry_at(round_)
         record = np.full(3 + self.size, -1, dtype=np.int64)
         record[0], record[1], record[2], record[3 : 3 + count] = 0, quorum, count, ranks
-        self._store_many(entry + 2, record)  # blocks <- 0 (the entry's last round is read by all: the gate)
-        self._store(entry + 1, writing_tag(round_))
+        # Tag and record in one write (blocks <- 0: the entry's last round is read by all, the gate): a reader
+        # takes the record only once every word of it is stamped with this round (`_entry_state`).
+        words = np.concatenate((np.array([writing_tag(round_)], dtype=np.int64), stamp(round_, record)))
+        self._store_many(self._entry_at(round_) + 1, words)
 
     def _extend(self, quorum: int, round_: int, period: float, step: float) -> int:
         """Step 4 with a margin: wait up to it (`Margin.limit` for "auto") for the ranks that have not drawn a
@@ -230,13 +237,12 @@ class PartialAllreduce(PartialWindows):
             self._margin.observe(last - start, count == self.size, limit)
         return count
 
-    def _sum_block(self, own: Flat, round_: int) -> None:
+    def _sum_block(self, own: Flat, round_: int, record: np.ndarray) -> None:
         """Step 5: sum this contributor's block of the counted slots in rank order, Put it, count it; the last block
-        done makes the round complete."""
+        done makes the round complete. `record`: the entry's, read with the tag that said 'summing'."""
         entry = self._entry_at(round_)
-        record = self._load_many(entry + 3, 2 + self.size)
-        count = int(record[1])  # the quorum, or more with a margin
-        ranks = [int(r) for r in record[2 : 2 + count]]
+        count = int(record[2])  # the quorum, or more with a margin
+        ranks = [int(r) for r in record[3 : 3 + count]]
         if self.rank not in ranks:
             raise RuntimeError(
                 f"{self._who}: partial allreduce: this rank posted round {round_} but is not among its "
@@ -261,8 +267,10 @@ class PartialAllreduce(PartialWindows):
             target = ((round_ % self.depth) * self.numel + lo, width, self._mpi_t)
             self.win_ring.Put([mean.numpy(), self._mpi_t], self.host, target=target)
             self.win_ring.Flush(self.host)
-        self._store(self._summed + self.rank, round_)
-        if self._fetch(entry + 2, 1, self.MPI.SUM) == count - 1:
+        # summed[r] only names a stopped contributor in a timeout's message: it needs no Flush of its own, the
+        # count's completes both (the block's Put was flushed before either, so a count never runs ahead of it).
+        self._words.store_many(self._summed + self.rank, np.array([round_], dtype=np.int64), flush=False)
+        if self._fetch(entry + 2, 1, self.MPI.SUM) == round_ * STAMP + 2 + count - 1:
             self._store(entry + 1, round_)
 
     def _full(self, tensor: Flat, round_: int, out: Flat | None) -> PartialResult:
@@ -325,29 +333,28 @@ class PartialAllreduce(PartialWindows):
         tag = entry + 1
         helping = own
 
-        def probe() -> bool | None:
+        def probe() -> np.ndarray | None:
             nonlocal helping
-            state = tag_state(self._load(tag), round_)
+            state, record = self._entry_state(round_)
             if state == OVERWRITTEN:
                 raise RuntimeError(self._overwritten(round_))
-            if state == SUMMING and helping is not None:
-                self._sum_block(helping, round_)
+            if state == SUMMING and helping is not None and record is not None:
+                self._sum_block(helping, round_, record)
                 helping = None
-                return self._collect_ready(tag, round_)
-            return True if state == READY else None
+                return self._collect_ready(round_)
+            return record if state == READY else None
 
         def describe() -> str:
-            state = tag_state(self._load(tag), round_)
-            if state == SUMMING:
-                done, count = self._load(entry + 2), self._load(entry + 4)
+            state, record = self._entry_state(round_)
+            if state == SUMMING and record is not None:
+                done, count = int(record[0]), int(record[2])
                 return f"round {round_} is being summed: {done} of {count} blocks done" + self._unsummed(round_)
             arrived = self._arrived(round_)
             return f"round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks arrived, {quorum=}" + self._late(
                 round_
             )
 
-        self._poll(probe, describe)
-        record = self._load_many(entry + 3, 2 + self.size)
+        record = self._poll(probe, describe)[1:]  # [quorum, count, ranks[n]], read with the tag that said 'ready'
         mean = torch.empty(self.numel, dtype=self.dtype) if out is None else out
         target = ((round_ % self.depth) * self.numel, self.numel, self._mpi_t)
         self.win_ring.Get([mean.numpy(), self._mpi_t], self.host, target=target)
@@ -367,10 +374,11 @@ class PartialAllreduce(PartialWindows):
         self._read_at = time.monotonic()
         return PartialResult(mean, round_, len(contributors), contributors, dropped)
 
-    def _collect_ready(self, tag: int, round_: int) -> bool | None:
-        """After summing a block: the round may be complete already (this was its last block)."""
+    def _collect_ready(self, round_: int) -> np.ndarray | None:
+        """After summing a block: the round's record if it is complete already (this was its last block)."""
         self._backoff.reset()  # the others' blocks are as fast as this one: poll promptly again
-        return True if tag_state(self._load(tag), round_) == READY else None
+        state, record = self._entry_state(round_)
+        return record if state == READY else None
 
 
 # Full rounds' allreduces abandoned by a timeout, with their buffers: MPI may still complete them (a late rank joins)

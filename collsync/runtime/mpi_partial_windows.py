@@ -35,6 +35,11 @@ _ENTRY_HEAD = 5  # tickets, tag, blocks, quorum, count (then ranks[n])
 CLOSED = 1 << 24
 
 PENDING, SUMMING, READY, OVERWRITTEN = "pending", "summing", "ready", "overwritten"
+# A record word (blocks, quorum, count, ranks[n] of a ring entry) holds round * STAMP + value + 2: a reader that
+# saw the tag of round t takes the record from the same read only if every word carries round t (MPI makes each
+# word atomic, not the words together). Values are -1 (a padded rank) up to STAMP - 3; the +2 keeps a word never
+# written (0) from passing as round 0's.
+STAMP = 1 << 20
 
 
 # -- pure helpers (no MPI): the encodings the protocol relies on ----------------------------------------------------
@@ -56,6 +61,17 @@ def tag_state(tag: int, round_: int) -> str:
     if holds < round_:
         return PENDING
     return READY if complete else SUMMING
+
+
+def stamp(round_: int, values: np.ndarray) -> np.ndarray:
+    """`values` (an entry's record) as the words that say they belong to `round_`."""
+    return values + (round_ * STAMP + 2)
+
+
+def unstamp(words: np.ndarray, round_: int) -> np.ndarray | None:
+    """The record in `words` if every word was written for `round_`, else None (some are older or not yet there)."""
+    values = words - (round_ * STAMP + 2)
+    return values if bool(((values >= -1) & (values < STAMP - 2)).all()) else None
 
 
 def block(index: int, parts: int, numel: int) -> tuple[int, int]:
@@ -199,6 +215,17 @@ class PartialWindows(LostRanks, Windows):
     def _entry_at(self, round_: int) -> int:
         return (round_ % self.depth) * self._entry
 
+    def _entry_state(self, round_: int) -> tuple[str, np.ndarray | None]:
+        """The tag of `round_`'s entry and its record, in one `Get_accumulate` (one round trip): (SUMMING or READY,
+        [blocks, quorum, count, ranks[n]]) once the record written for `round_` is there in full; else (the tag's
+        state, None), PENDING too while the tag has landed before all of its record (they are written together)."""
+        words = self._load_many(self._entry_at(round_) + 1, _ENTRY_HEAD - 1 + self.size)
+        state = tag_state(int(words[0]), round_)
+        if state not in (SUMMING, READY):
+            return state, None
+        record = unstamp(words[1:], round_)
+        return (state, record) if record is not None else (PENDING, None)
+
     def _ticket(self, round_: int) -> tuple[int, bool]:
         """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per round), and whether
         the round was closed before it."""
@@ -298,9 +325,11 @@ class PartialWindows(LostRanks, Windows):
 
     def _unsummed(self, round_: int) -> str:
         """'; waiting on rank 2 on node17 (its block)': the contributors of `round_` whose block is not summed."""
-        record = self._load_many(self._entry_at(round_) + 3, 2 + self.size)
+        record = unstamp(self._load_many(self._entry_at(round_) + 2, _ENTRY_HEAD - 2 + self.size), round_)
+        if record is None:
+            return ""
         summed = self._load_many(self._summed, self.size)
-        ranks = [int(r) for r in record[2 : 2 + int(record[1])]]
+        ranks = [int(r) for r in record[3 : 3 + int(record[2])]]
         late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in ranks if int(summed[r]) < round_)
         return f"; waiting on {late} (its block of the sum)" if late else ""
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -57,11 +58,97 @@ class Backoff:
 _W = TypeVar("_W", bound="Windows")
 
 
+# The one-sided calls a protocol makes (each one remote operation, the host's to its own memory included) and the
+# calls that wait for them: a `Flush` is one blocking round trip to its target, whatever it completes.
+_OPS = ("Put", "Get", "Accumulate", "Get_accumulate", "Fetch_and_op", "Compare_and_swap")
+_FLUSHES = ("Flush", "Flush_all")
+
+
+@dataclass
+class RmaCounts:
+    """What the windows of one protocol object did since it was made countable (`Windows.count`): remote operations
+    by kind, blocking round trips (`Flush` calls), and the bytes that `Put` and `Get` moved. A benchmark reads it
+    before and after a round (`copy`, `minus`)."""
+
+    ops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_OPS, 0))
+    round_trips: int = 0
+    data_bytes: int = 0
+    waits: int = 0  # polls that found nothing yet (each after one round trip): the rest are the protocol's own
+
+    def copy(self) -> RmaCounts:
+        return RmaCounts(dict(self.ops), self.round_trips, self.data_bytes, self.waits)
+
+    def minus(self, before: RmaCounts) -> RmaCounts:
+        ops = {k: v - before.ops.get(k, 0) for k, v in self.ops.items()}
+        return RmaCounts(
+            ops, self.round_trips - before.round_trips, self.data_bytes - before.data_bytes, self.waits - before.waits
+        )
+
+    @property
+    def remote_ops(self) -> int:
+        return sum(self.ops.values())
+
+
+class CountingWin:
+    """A window that counts, into `counts`, every one-sided call made through it and passes it on unchanged.
+    Installed only by `Windows.count`: a protocol never asked to count calls its mpi4py windows directly, so the
+    counting costs nothing where it is not asked for."""
+
+    def __init__(self, win: Any, counts: RmaCounts) -> None:
+        self._win, self._counts = win, counts
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._win, name)
+        counts = self._counts
+        if name in _FLUSHES:
+
+            def flush(*args: Any, **kwargs: Any) -> Any:
+                counts.round_trips += 1
+                return attr(*args, **kwargs)
+
+            return flush
+        if name in _OPS:
+
+            def op(*args: Any, **kwargs: Any) -> Any:
+                counts.ops[name] += 1
+                if name in ("Put", "Get") and isinstance(args[0], (list, tuple)):
+                    counts.data_bytes += int(getattr(args[0][0], "nbytes", 0))
+                return attr(*args, **kwargs)
+
+            return op
+        return attr
+
+
+class CountingBackoff(Backoff):
+    """A `Backoff` whose every pause is counted as one wait (`RmaCounts.waits`); installed by `Windows.count`."""
+
+    def __init__(self, backoff: Backoff, counts: RmaCounts) -> None:
+        super().__init__(backoff.spins, backoff.first, backoff.cap)
+        self._counts = counts
+
+    def wait(self) -> None:
+        self._counts.waits += 1
+        super().wait()
+
+
 class Windows:
     """Windows opened in one `Lock_all` epoch each (`self._wins`), freed together: `free()` or a `with` block."""
 
     comm: MPI.Comm
     _wins: tuple[Any, ...]
+
+    def count(self, counts: RmaCounts) -> RmaCounts:
+        """From now on count this object's one-sided calls into `counts` (returned): every `win_*` attribute and the
+        window of every `Words` attribute is replaced by a `CountingWin` over it (`_wins`, which `free` closes,
+        keeps the windows themselves), and every `Backoff` attribute by a `CountingBackoff`."""
+        for name, value in list(vars(self).items()):
+            if name.startswith("win_"):
+                setattr(self, name, CountingWin(value, counts))
+            elif isinstance(value, Words):
+                value.win = CountingWin(value.win, counts)
+            elif isinstance(value, Backoff):
+                setattr(self, name, CountingBackoff(value, counts))
+        return counts
 
     def free(self) -> None:
         """Collective: close the epochs and free the windows."""

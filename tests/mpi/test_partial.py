@@ -16,6 +16,7 @@ from collsync.rounds import run_partial
 from collsync.rules import sgd
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_partial import PartialAllreduce, PartialResult
+from collsync.runtime.mpi_windows import RmaCounts
 from collsync.server import Server
 from collsync.trace import Trace
 
@@ -45,6 +46,25 @@ def test_full_quorum_equals_allreduce(comm):
             reference = MpiCollective(comm).allreduce_mean(x.clone())
             assert torch.equal(result.mean, reference)
             assert result.contributors == list(range(n)) and result.dropped == []
+
+
+def test_counted_rounds_give_the_same_means_and_count_every_round_trip(comm):
+    """`count` changes nothing a round returns; a partial round makes remote calls and Flushes (waits among them),
+    a full round none on the windows (it is an allreduce)."""
+    n, numel = comm.Get_size(), 9
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=2) as pa:
+        counts = pa.count(RmaCounts())
+        for t in range(8):
+            before = counts.copy()
+            k = max(1, n - 1) if t % 2 else n
+            result = pa(_contribution(comm.Get_rank(), t, numel), quorum=k, round=t)
+            assert torch.equal(result.mean, _expected(result, numel))
+            took = counts.minus(before)
+            if k == n > 1:
+                assert took.remote_ops == took.round_trips == 0
+            else:
+                assert took.remote_ops >= took.round_trips > took.waits >= 0 and took.ops["Get"] >= 1
+        assert _same_everywhere(comm, zlib.crc32(result.mean.numpy().tobytes()).to_bytes(4, "little"))
 
 
 def test_quorum_below_n_counts_exactly_k(comm):

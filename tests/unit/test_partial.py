@@ -27,7 +27,9 @@ from collsync.runtime.mpi_partial_windows import (
     check_margin,
     lagging,
     split,
+    stamp,
     tag_state,
+    unstamp,
     writing_tag,
 )
 from collsync.server import Server
@@ -112,6 +114,20 @@ def test_split_and_lagging():
     assert split([], 2) == ([], [0, 1])
     assert lagging([7, 4, 6], round_=9, depth=3) == [1, 2]  # round 9 reuses round 6's entry; 1, 2 have not read it
     assert lagging([0, 0], round_=2, depth=3) == []
+
+
+def test_a_record_read_with_its_tag_is_taken_only_when_every_word_is_of_the_round():
+    record = np.array([0, 3, 3, 0, 2, 5, -1, -1])  # blocks, quorum, count, ranks (padded)
+    words = stamp(9, record)
+    assert np.array_equal(unstamp(words, 9), record)
+    assert unstamp(np.zeros(8, dtype=np.int64), 0) is None  # never written: not round 0's
+    for other in (5, 8, 10, 13):  # one word still of the entry's earlier round (depth 4), or of any other
+        mixed = words.copy()
+        mixed[4] = stamp(other, record)[4]
+        assert unstamp(mixed, 9) is None
+    blocks = words.copy()
+    blocks[0] += 2  # two blocks summed since the record was written: still round 9's
+    assert unstamp(blocks, 9)[0] == 2
 
 
 def test_posted_for_waits_for_the_quorum_and_rejects_extra():
