@@ -103,16 +103,17 @@ REGIMES = {"within": ((0.06, 0.5), (1.2, 5.0)), "past": ((0.5, 0.02), (10.0, 0.5
 
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_backup_with_a_margin_and_catch_up_agrees_with_the_simulator(comm, regime):
-    """sync=backup (b = 1) with a fixed margin and catch-up, the last rank slow: `collsync.rounds` over the partial
-    allreduce (what collsync-train runtime=partial and collsync.torch's backup run) and the simulator's model of it
-    (runtime=sim, the same keys) take the same workers into every round, skip the same batches' worth of work and
-    end with the same parameters (to float tolerance: the partial allreduce sums in its own order)."""
+    """sync=backup (b = 1) with a fixed margin and catch-up, the last rank slow, through the three fronts:
+    collsync-train's runtime=partial loop (`rounds.run_partial` on a replica server), a collsync.torch script (the
+    user's SGD and `hvd.DistributedSampler`) and the simulator (runtime=sim, the same keys). They take the same
+    workers into every round, compute the same batches (the slow rank, past the margin, skips those of the rounds it
+    caught up) and end with the same parameters (to float tolerance: the partial allreduce sums in its own order)."""
     n = comm.Get_size()
     if n < 2:
         pytest.skip("a slow worker needs another one")
     (mpi_step, mpi_margin), (sim_step, sim_margin) = REGIMES[regime]
     policy, slow = backup(1), n - 1
-    computed: dict[str, dict[int, list[int]]] = {"mpi": {}, "sim": {}}
+    computed: dict[str, dict[int, list[int]]] = {"mpi": {}, "api": {}, "sim": {}}
 
     def counted(side: str, sleep: bool):
         def fn(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
@@ -125,11 +126,13 @@ def test_backup_with_a_margin_and_catch_up_agrees_with_the_simulator(comm, regim
 
     with PartialAllreduce(comm, NUMEL, dtype=torch.float64, margin=mpi_margin) as pa:
         mpi = run_partial(make(policy, n, Trace()), pa, counted("mpi", True), catch_up=True)
+    api, api_seen = through_the_api(counted("api", True), mpi_margin)
     sim = Simulator(n, OneSlow(n, sim_step), seed=0, margin=sim_margin, catch_up=True)
     ref = sim.run(make(policy, n, sim.trace), counted("sim", False))
     for server in (mpi, ref):
         check_trace(server.trace, policy, n, up_to_all=True)
     torch.testing.assert_close(mpi.params, ref.params, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(api, ref.params, rtol=1e-12, atol=1e-14)  # torch's SGD momentum is the same rule
     torch.testing.assert_close(mpi.ema, ref.ema, rtol=1e-12, atol=1e-14)
     # Who took part in each round: every rank's replica records the same, and the simulator's server agrees.
     members = [sorted(int(w) for w in e["workers"]) for e in mpi.trace.of("apply")]
@@ -138,9 +141,45 @@ def test_backup_with_a_margin_and_catch_up_agrees_with_the_simulator(comm, regim
     assert members == [want] * STEPS, members
     # The batches computed: the fast ranks every round's; the slow one, past the margin, skips the rounds it missed.
     mine = computed["mpi"][comm.Get_rank()]
+    # Through the API every step's gradient is computed before the round is known: the slow rank's steps, past the
+    # margin, are all dropped; every other rank's step is in its round.
+    late = comm.Get_rank() == slow and regime == "past"
+    assert api_seen["dropped"] == (api_seen["steps"] if late else 0), api_seen
+    assert api_seen["steps"] == len(computed["api"][comm.Get_rank()])
     if comm.Get_rank() != slow or regime == "within":
-        assert mine == computed["sim"][comm.Get_rank()] == list(range(STEPS))
+        assert mine == computed["api"][comm.Get_rank()] == computed["sim"][comm.Get_rank()] == list(range(STEPS))
     else:
-        for seen in (mine, computed["sim"][slow]):  # increasing, with the rounds it missed skipped
+        for seen in (mine, computed["api"][slow], computed["sim"][slow]):  # increasing, the rounds it missed skipped
             assert seen == sorted(set(seen)) and len(seen) < STEPS // 2, seen
             assert any(b - a > 1 for a, b in zip(seen, seen[1:], strict=False)), seen
+
+
+def through_the_api(grads_fn: Any, margin: float) -> tuple[torch.Tensor, dict[str, int]]:
+    """The same rounds through `collsync.torch` (`sync="backup"`, the user's torch SGD with momentum applying each
+    mean), one epoch of STEPS batches read through `hvd.DistributedSampler` (unshuffled: rank r's batch k is the
+    number r + k * size, so the batch says its index), which skips the batches of the rounds a late rank caught up;
+    the final parameters, the rounds taken without this worker's gradient and its steps."""
+    import collsync.torch as hvd
+
+    hvd.init()
+    try:
+        size, rank = hvd.size(), hvd.rank()
+        numbers = list(range(STEPS * size))
+        sampler = hvd.DistributedSampler(numbers, shuffle=False, batch_size=1)
+        loader = torch.utils.data.DataLoader(numbers, batch_size=1, sampler=sampler)
+        param = torch.nn.Parameter(torch.zeros(NUMEL, dtype=torch.float64))
+        sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+        opt = hvd.DistributedOptimizer(sgd, [("p", param)], sync="backup", backups=1, margin=margin, catch_up=True)
+        steps = 0
+        for (number,) in loader:
+            opt.zero_grad()
+            index = (int(number) - rank) // size
+            (param * grads_fn(param.detach(), rank, index).detach()).sum().backward()
+            opt.step()
+            steps += 1
+        seen = {"dropped": opt.dropped, "steps": steps}  # rounds taken without this rank's gradient; steps taken
+        final = param.detach().clone()
+        opt.close()
+    finally:
+        hvd.shutdown()
+    return final, seen
