@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,108 @@ def _agree(comm: Any, meta: tuple[Any, ...], what: str, vary: tuple[int, ...] = 
         if field not in vary and any(v != values[0] for v in values):
             raise HorovodInternalError(f"{what}: the workers disagree: {values} (by rank)")
     return metas
+
+
+# Fixed codes for the dtypes in an agreement header (the hash of a dtype's name differs between processes).
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    dt: i
+    for i, dt in enumerate(
+        (torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+        + (torch.float16, torch.bfloat16, torch.bool, torch.complex64, torch.complex128)
+    )
+}
+_FIELD = (1 << 62) - 1  # header fields are kept below 2**62, so that their negation fits an int64
+
+
+def _bits(value: float) -> int:
+    """A float's 64 bits as a header field (a scale factor must agree exactly, as Horovod checks it)."""
+    bits: int = struct.unpack("<Q", struct.pack("<d", value))[0]
+    return (bits & _FIELD) ^ (bits >> 62)  # the two top bits (sign, exponent) folded into the low ones
+
+
+class _Agreement:
+    """The check that every worker calls a reduction with the same tensors: Horovod's coordinator refuses an
+    allreduce whose type, shape, op or scale factors differ between ranks ("Mismatched allreduce tensor shapes",
+    "Mismatched data types"), where MPI would return each rank its own shape, wrong values, or abort the job.
+
+    One small MPI_Allreduce (MAX) per operation, of each field and its negation (so the maximum and minimum of every
+    field come back together); a grouped operation is one operation. Only where the fields differ do the workers
+    gather the readable descriptions, all of them (each sees the same sums), and raise HorovodInternalError naming
+    which workers sent what. `start()` posts it without waiting (an `*_async` call returns at once, as in Horovod)."""
+
+    def __init__(self, comm: Any, tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, what: str) -> None:
+        self.comm, self.what, self.op, self.pre, self.post = comm, what, op, pre, post
+        self.dtypes = tuple(t.dtype for t in tensors)
+        self.shapes = tuple(tuple(t.shape) for t in tensors)
+        codes = tuple(_DTYPE_CODES.get(d, -1) for d in self.dtypes)
+        sig = [len(tensors), hash(codes) & _FIELD, hash(self.shapes) & _FIELD, op, _bits(pre), _bits(post)]
+        self.buf = np.array(sig + [-v for v in sig], dtype=np.int64)
+        self.request: Any = None
+
+    def fields(self) -> tuple[tuple[str, Any], ...]:
+        """The header's fields as an error names them (built only where the workers disagree)."""
+        types = tuple(str(d).replace("torch.", "") for d in self.dtypes)
+        one = len(self.dtypes) == 1  # a single tensor's type and shape are shown as such, not as a group's
+        return (
+            ("number of tensors", len(self.dtypes)),
+            ("type" if one else "types", types[0] if one else types),
+            ("shape" if one else "shapes", list(self.shapes[0]) if one else [list(s) for s in self.shapes]),
+            ("op", _OP_NAMES.get(self.op, self.op)),
+            ("prescale factor", self.pre),
+            ("postscale factor", self.post),
+        )
+
+    def now(self) -> None:
+        """Agree before returning (a blocking operation)."""
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        self.comm.Allreduce(MPI.IN_PLACE, self.buf, op=MPI.MAX)
+        self.verify()
+
+    def start(self) -> _Agreement:
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        self.request = self.comm.Iallreduce(MPI.IN_PLACE, self.buf, op=MPI.MAX)
+        return self
+
+    def verify(self) -> None:
+        """Raise HorovodInternalError on every worker if any field differed between them."""
+        half = len(self.buf) // 2
+        if bool((self.buf[:half] == -self.buf[half:]).all()):
+            return
+        mine = self.fields()
+        everyone = self.comm.allgather(mine)
+        for i, (field, _) in enumerate(mine):
+            by_value: dict[str, list[int]] = {}
+            for rank, fields in enumerate(everyone):
+                by_value.setdefault(repr(fields[i][1]), []).append(rank)
+            if len(by_value) > 1:
+                sent = "; ".join(f"{_ranks(ranks)} sent {value}" for value, ranks in by_value.items())
+                raise HorovodInternalError(f"{self.what}: mismatched tensor {field} across the workers: {sent}")
+        raise HorovodInternalError(f"{self.what}: the workers' tensors differ (hash collision?): {everyone}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 0, 2' (worker ranks, within the process set)."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+class _AfterAgreement:
+    """A request (for `_Handle`) that waits for an agreement, then starts the operation itself (`start()` returns
+    its request): the data moves only once every worker is known to send the same shape and type."""
+
+    def __init__(self, agreement: _Agreement, start: Callable[[], Any]) -> None:
+        self.agreement, self.start, self.request = agreement, start, None
+
+    def Test(self) -> bool:  # noqa: N802 - MPI.Request's name, which _Handle calls
+        if self.request is None:
+            if not self.agreement.request.Test():
+                return False
+            self.agreement.verify()
+            self.request = self.start()
+            if self.request is None:
+                return True
+        return bool(self.request.Test())
 
 
 def _check(tensor: torch.Tensor, what: str) -> None:

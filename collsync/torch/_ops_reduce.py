@@ -14,12 +14,15 @@ import torch
 from collsync.torch._ops_base import (
     Average,
     Compression,
+    _AfterAgreement,
+    _Agreement,
     _check,
     _Handle,
     _mpi_type,
     _op,
     _reduce_op,
     _register,
+    _Requests,
     scale_,
     synchronize,
     words,
@@ -37,35 +40,72 @@ def _allreduce_start(
     what: str,
     blocking: bool = False,
     process_set: Any = global_process_set,
+    check: bool = True,
 ) -> _Handle:
     """Start (or with `blocking`, run: one MPI_Allreduce, the fastest where the caller waits anyway) the reduction
     of `tensor` into `output` over the process set's workers; the handle's `wait()` applies the post-scaling (for
-    Average, 1/size of the set) and returns `output`."""
+    Average, 1/size of the set) and returns `output`. With `check`, the workers first agree that they reduce the
+    same type and shape with the same op and scale factors (`_Agreement`; HorovodInternalError on every worker if
+    not, with `output` untouched)."""
+    handle = _allreduce_many([tensor], [output], op, prescale, postscale, what, blocking, process_set, check)
+    finish = handle.finish
+    handle.finish = lambda: finish()[0]
+    return handle
+
+
+def _allreduce_many(
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    op: int,
+    prescale: float,
+    postscale: float,
+    what: str,
+    blocking: bool = False,
+    process_set: Any = global_process_set,
+    check: bool = True,
+) -> _Handle:
+    """`_allreduce_start` of several tensors as one operation (one agreement for the group, then one MPI
+    allreduce per tensor); the handle's `wait()` returns the outputs."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     st = state(what)
     comm, _ = set_comm(process_set, what)
     blocking = blocking and not st.oversubscribed
-    _check(tensor, what)
-    if output is not tensor:
-        output.copy_(tensor)
-    buf = output if output.is_contiguous() else output.contiguous()
-    scale_(buf, prescale)
+    for tensor in tensors:
+        _check(tensor, what)
     post = postscale / comm.Get_size() if op == Average else postscale
-    message = [words(buf.detach()), _mpi_type(buf.dtype, what)]
-    if blocking:
-        comm.Allreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
-        request = None
-    else:
-        request = comm.Iallreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
+    bufs: list[torch.Tensor] = []
 
-    def finish() -> torch.Tensor:
-        scale_(buf, post)
-        if buf is not output:
-            output.copy_(buf)
-        return output
+    def start() -> Any:
+        requests = []
+        for tensor, output in zip(tensors, outputs, strict=True):
+            if output is not tensor:
+                output.copy_(tensor)
+            buf = output if output.is_contiguous() else output.contiguous()
+            scale_(buf, prescale)
+            message = [words(buf.detach()), _mpi_type(buf.dtype, what)]
+            if blocking:
+                comm.Allreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
+            else:
+                requests.append(comm.Iallreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op)))
+            bufs.append(buf)
+        if not requests:
+            return None
+        return requests[0] if len(requests) == 1 else _Requests(requests)
 
-    return _Handle(request, finish)
+    def finish() -> list[torch.Tensor]:
+        for buf, output in zip(bufs, outputs, strict=True):
+            scale_(buf, post)
+            if buf is not output:
+                output.copy_(buf)
+        return list(outputs)
+
+    agreement = _Agreement(comm, tensors, op, prescale, postscale, what) if check and comm.Get_size() > 1 else None
+    if agreement is None or blocking:
+        if agreement is not None:
+            agreement.now()
+        return _Handle(start(), finish)
+    return _Handle(_AfterAgreement(agreement.start(), start), finish)
 
 
 def allreduce_async_(
@@ -165,11 +205,12 @@ def grouped_allreduce_async_(
 ) -> int:
     """Start in-place allreduces of several tensors as one operation; `synchronize` returns the list."""
     op = _op(op, average, "grouped_allreduce_async_")
-    handles = [
-        _allreduce_start(t, t, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set)
-        for t in tensors
-    ]
-    return _register(_Handle(None, lambda: [h.wait() for h in handles]))
+    tensors = list(tensors)
+    return _register(
+        _allreduce_many(
+            tensors, tensors, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set
+        )
+    )
 
 
 def grouped_allreduce_async(

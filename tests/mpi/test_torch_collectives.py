@@ -118,6 +118,42 @@ def test_mismatched_tensors_raise_horovods_internal_error_on_every_worker():
         hvd.broadcast(torch.ones(2), root_rank=r)
 
 
+def test_mismatched_allreduces_raise_on_every_worker_naming_ranks_and_what_they_sent():
+    """Horovod's coordinator refuses an allreduce whose shape, type, op or scale factors differ between ranks;
+    here every worker raises HorovodInternalError naming what each rank sent, and the in-place tensor is left as
+    it was (no data moved). Afterwards the workers are still in step."""
+    if hvd.size() == 1:
+        pytest.skip("a mismatch needs two workers")
+    n, r = hvd.size(), hvd.rank()
+    last = n - 1
+    odd = r == last  # the last worker differs from the others
+    with pytest.raises(
+        hvd.HorovodInternalError, match=rf"allreduce: mismatched tensor shape .*rank {last} sent \[3, 2\]"
+    ):
+        hvd.allreduce(torch.ones((3, 2) if odd else (2, 3)))
+    with pytest.raises(hvd.HorovodInternalError, match=rf"mismatched tensor type .*rank {last} sent 'float64'"):
+        hvd.allreduce(torch.ones(4, dtype=torch.float64 if odd else torch.float32))
+    with pytest.raises(hvd.HorovodInternalError, match="mismatched tensor type .*'int32'"):
+        hvd.allreduce(torch.ones(4, dtype=torch.int32 if odd else torch.float32))
+    with pytest.raises(hvd.HorovodInternalError, match="mismatched tensor op .*'Sum'"):
+        hvd.allreduce(torch.ones(2), op=hvd.Sum if odd else hvd.Average)
+    with pytest.raises(hvd.HorovodInternalError, match="mismatched tensor prescale factor"):
+        hvd.allreduce(torch.ones(2), prescale_factor=2.0 if odd else 1.0)
+    mine = torch.full((2 + int(odd),), float(r))
+    with pytest.raises(hvd.HorovodInternalError, match="allreduce_: mismatched tensor shape"):
+        hvd.allreduce_(mine)
+    assert mine.tolist() == [float(r)] * (2 + int(odd))  # untouched
+    handle = hvd.allreduce_async(torch.ones(5 + int(odd)))  # returns at once; the error comes at synchronize
+    with pytest.raises(hvd.HorovodInternalError, match="allreduce_async: mismatched tensor shape"):
+        hvd.synchronize(handle)
+    with pytest.raises(hvd.HorovodInternalError, match=r"grouped_allreduce: mismatched tensor shapes"):
+        hvd.grouped_allreduce([torch.ones(3), torch.ones(2 + int(odd))])
+    with pytest.raises(hvd.HorovodInternalError, match="number of tensors"):
+        hvd.grouped_allreduce([torch.ones(3)] * (2 + int(odd)))
+    assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [float(n)] * 3  # still in step
+    assert hvd.synchronize(hvd.allreduce_async(torch.full((2,), float(r)), op=hvd.Sum)).tolist() == [n * last / 2] * 2
+
+
 def test_grouped_allgather_and_the_gradients_of_allgather_and_broadcast():
     n, r = hvd.size(), hvd.rank()
     a, b = hvd.grouped_allgather([torch.full((r + 1, 2), float(r)), torch.tensor([r])])
