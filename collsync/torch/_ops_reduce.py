@@ -17,6 +17,7 @@ from collsync.torch._ops_base import (
     _AfterAgreement,
     _Agreement,
     _check,
+    _flush,
     _Handle,
     _mpi_type,
     _op,
@@ -100,12 +101,15 @@ def _allreduce_many(
                 output.copy_(buf)
         return list(outputs)
 
-    agreement = _Agreement(comm, tensors, op, prescale, postscale, what) if check and comm.Get_size() > 1 else None
-    if agreement is None or blocking:
-        if agreement is not None:
-            agreement.now()
+    if not check or comm.Get_size() == 1:
+        _flush(comm)
         return _Handle(start(), finish)
-    return _Handle(_AfterAgreement(agreement.start(), start), finish)
+    agreement = _Agreement(comm, tensors, op, prescale, postscale, what, blocking=blocking)
+    if blocking:
+        _flush(comm)
+        agreement.now()
+        return _Handle(start(), finish)
+    return _Handle(_AfterAgreement(agreement, start), finish)
 
 
 def allreduce_async_(

@@ -154,6 +154,33 @@ def test_mismatched_allreduces_raise_on_every_worker_naming_ranks_and_what_they_
     assert hvd.synchronize(hvd.allreduce_async(torch.full((2,), float(r)), op=hvd.Sum)).tolist() == [n * last / 2] * 2
 
 
+def test_join_without_an_optimizer_contributes_zeros_until_every_worker_joined():
+    """Horovod's join: a worker out of data contributes zeros to the others' allreduces (sync, async, grouped, in
+    any dtype) until all joined, their allgathers and broadcasts meanwhile raise, and join returns the same rank,
+    the last to join, on every worker."""
+    n, r = hvd.size(), hvd.rank()
+    for first in range(n):
+        a, b = torch.full((5,), 10.0), torch.full((3, 2), 4, dtype=torch.int32)
+        hvd.synchronize(hvd.allreduce_async(a))  # a cached operation first, as Horovod's test does
+        if r == first:
+            ret = hvd.join()
+        else:
+            ha, hb = hvd.allreduce_async(a), hvd.allreduce_async(b)  # both in flight as the joined worker answers
+            summed = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+            grouped = hvd.grouped_allreduce([torch.ones(1), torch.ones(2, dtype=torch.float64)], op=hvd.Sum)
+            assert torch.allclose(hvd.synchronize(ha), torch.full((5,), 10.0 * (n - 1) / n))
+            assert hvd.synchronize(hb).tolist() == [[4 * (n - 1) // n] * 2] * 3
+            assert summed.tolist() == [n - 1.0] * 2 and [g.sum().item() for g in grouped] == [n - 1, 2 * (n - 1)]
+            with pytest.raises(hvd.HorovodInternalError, match="allgather: not supported while a worker has joined"):
+                hvd.allgather(torch.ones(2))
+            with pytest.raises(hvd.HorovodInternalError, match="broadcast: not supported while a worker has joined"):
+                hvd.broadcast(torch.ones(2), root_rank=0)
+            ret = hvd.join()
+        assert hvd.allgather_object(ret) == [ret] * n
+        assert n == 1 or ret != first
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # every worker is back
+
+
 def test_grouped_allgather_and_the_gradients_of_allgather_and_broadcast():
     n, r = hvd.size(), hvd.rank()
     a, b = hvd.grouped_allgather([torch.full((r + 1, 2), float(r)), torch.tensor([r])])
