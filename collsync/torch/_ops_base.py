@@ -470,6 +470,7 @@ class _Handle:
 
     def __init__(self, request: Any, finish: Callable[[], Any]) -> None:
         self.request, self.finish, self.result, self.done = request, finish, None, False
+        self.name: str | None = None  # the name it was given, while in flight (`_register`)
 
     def test(self) -> bool:
         if not self.done and (self.request is None or self.request.Test()):
@@ -502,11 +503,26 @@ class _Requests:
 
 _HANDLES: dict[int, _Handle] = {}
 _IDS = itertools.count(1)
+_NAMES: dict[str, int] = {}  # the names of the operations in flight (until synchronized) -> their handles
 
 
-def _register(handle: _Handle) -> int:
+def _unnamed(name: str | None, what: str) -> None:
+    """Refuse an operation named as one still in flight, before it posts anything (Horovod's duplicate-name error:
+    its coordinator matches operations by name, so two in flight under one name cannot be told apart)."""
+    if name is not None and name in _NAMES:
+        raise ValueError(
+            f"{what}: requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor "
+            f"that is currently being processed (name={name!r}). If you want to request another tensor, use a "
+            "different tensor name."
+        )
+
+
+def _register(handle: _Handle, name: str | None = None) -> int:
     key = next(_IDS)
     _HANDLES[key] = handle
+    if name is not None:
+        _NAMES[name] = key
+        handle.name = name
     return key
 
 
@@ -519,7 +535,10 @@ def _handle(key: int, what: str) -> _Handle:
 def synchronize(handle: int) -> Any:
     """Wait for an asynchronous operation; returns its output tensor (Horovod's `hvd.synchronize`)."""
     _handle(handle, "synchronize")
-    return _HANDLES.pop(handle).wait()
+    done = _HANDLES.pop(handle)
+    if done.name is not None and _NAMES.get(done.name) == handle:
+        del _NAMES[done.name]  # the name is free again, whatever the outcome
+    return done.wait()
 
 
 def poll(handle: int) -> bool:

@@ -23,6 +23,7 @@ from collsync.torch._ops_base import (
     _mpi_type,
     _register,
     _Requests,
+    _unnamed,
     global_process_set,
     join_collectives,
     synchronize,
@@ -60,10 +61,11 @@ def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str) -> _
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> int:
     """Start an allgather: the workers' tensors concatenated along dimension 0 (sizes there may differ)."""
+    _unnamed(name, "allgather_async")
     handle = _gather_start([tensor], process_set, "allgather")
     finish = handle.finish
     handle.finish = lambda: finish()[0]
-    return _register(handle)
+    return _register(handle, name)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
@@ -77,7 +79,8 @@ def grouped_allgather_async(
     tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
 ) -> int:
     """Start allgathers of several tensors as one operation; `synchronize` returns the list of outputs."""
-    return _register(_gather_start(list(tensors), process_set, "grouped_allgather"))
+    _unnamed(name, "grouped_allgather_async")
+    return _register(_gather_start(list(tensors), process_set, "grouped_allgather"), name)
 
 
 def grouped_allgather(
@@ -116,6 +119,7 @@ def broadcast_async_(
     """Start an in-place broadcast of `tensor` from worker `root_rank` (a worker rank, in process sets too, as in
     Horovod), after one agreement on dtype, shape and root (`_Agreement`: a disagreement raises
     HorovodInternalError)."""
+    _unnamed(name, "broadcast_async_")
     comm, ranks = _comm(process_set, "broadcast")
     _check(tensor, "broadcast")
     if comm.Get_size() > 1:
@@ -130,7 +134,7 @@ def broadcast_async_(
                 tensor.copy_(buf)
         return tensor
 
-    return _register(_Handle(request, finish))
+    return _register(_Handle(request, finish), name)
 
 
 def broadcast_async(

@@ -24,6 +24,7 @@ from collsync.torch._ops_base import (
     _reduce_op,
     _register,
     _Requests,
+    _unnamed,
     scale_,
     synchronize,
     words,
@@ -123,8 +124,10 @@ def allreduce_async_(
 ) -> int:
     """Start an in-place allreduce; `synchronize(handle)` returns `tensor` holding the result."""
     op = _op(op, average, "allreduce_async_")
+    _unnamed(name, "allreduce_async_")
     return _register(
-        _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set)
+        _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set),
+        name,
     )
 
 
@@ -139,9 +142,11 @@ def allreduce_async(
 ) -> int:
     """Start an allreduce into a new tensor; `synchronize(handle)` returns it."""
     op = _op(op, average, "allreduce_async")
+    _unnamed(name, "allreduce_async")
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _register(
-        _allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set)
+        _allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set),
+        name,
     )
 
 
@@ -209,11 +214,13 @@ def grouped_allreduce_async_(
 ) -> int:
     """Start in-place allreduces of several tensors as one operation; `synchronize` returns the list."""
     op = _op(op, average, "grouped_allreduce_async_")
+    _unnamed(name, "grouped_allreduce_async_")
     tensors = list(tensors)
     return _register(
         _allreduce_many(
             tensors, tensors, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set
-        )
+        ),
+        name,
     )
 
 

@@ -28,6 +28,7 @@ from collsync.torch._ops_base import (
     _reduce_op,
     _register,
     _Requests,
+    _unnamed,
     global_process_set,
     scale_,
     synchronize,
@@ -171,10 +172,11 @@ def reducescatter_async(
 ) -> int:
     """Start a reducescatter; `synchronize` returns this worker's part of the Average (or Sum) over the set."""
     op = _op(op, None, "reducescatter")
+    _unnamed(name, "reducescatter_async")
     handle = _reducescatter_start([tensor], op, process_set, prescale_factor, postscale_factor, "reducescatter")
     finish = handle.finish
     handle.finish = lambda: finish()[0]
-    return _register(handle)
+    return _register(handle, name)
 
 
 def grouped_reducescatter_async(

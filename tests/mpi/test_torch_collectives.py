@@ -181,6 +181,24 @@ def test_join_without_an_optimizer_contributes_zeros_until_every_worker_joined()
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # every worker is back
 
 
+def test_a_second_operation_in_flight_under_one_name_is_refused_as_in_horovod():
+    """Horovod refuses an operation named as one still in flight (ValueError) before it moves anything; the name
+    is free again once the first is synchronized."""
+    n = hvd.size()
+    for start in (
+        lambda: hvd.allreduce_async(torch.ones(2), name="twice"),
+        lambda: hvd.allreduce_async_(torch.ones(2), name="twice"),
+        lambda: hvd.allgather_async(torch.ones(2), name="twice"),
+        lambda: hvd.broadcast_async(torch.ones(2), 0, name="twice"),
+    ):
+        first = start()
+        with pytest.raises(ValueError, match="same name as another tensor .*name='twice'"):
+            hvd.allreduce_async(torch.ones(3), name="twice")
+        hvd.synchronize(first)
+    handle = hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)  # free again
+    assert hvd.synchronize(handle).tolist() == [float(n)] * 2
+
+
 def test_grouped_allgather_and_the_gradients_of_allgather_and_broadcast():
     n, r = hvd.size(), hvd.rank()
     a, b = hvd.grouped_allgather([torch.full((r + 1, 2), float(r)), torch.tensor([r])])
