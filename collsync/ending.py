@@ -260,7 +260,7 @@ def watch_failures(comm: MPI.Comm, who: Callable[[], str], quiet: tuple[type[Bas
         sys.excepthook = _excepthook
 
 
-def _exit(status: object = None) -> NoReturn:
+def _exit(status: str | int | None = None) -> NoReturn:
     """`sys.exit` while failures are watched: the status is recorded for the exit hook, then Python's own."""
     _RECORD.exit_status = status
     _sys_exit(status)
