@@ -199,6 +199,27 @@ def test_a_second_operation_in_flight_under_one_name_is_refused_as_in_horovod():
     assert hvd.synchronize(handle).tolist() == [float(n)] * 2
 
 
+def test_distributed_optimizer_names_its_parameters_as_horovod():
+    """Horovod's `_parameter_names` (read by scripts and Horovod's tests): from named_parameters, else
+    `allreduce.noname.{group}.{index}`, the same on every worker."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    names = opt._parameter_names
+    assert sorted(names.values()) == [
+        "allreduce.noname.0.0",
+        "allreduce.noname.0.1",
+        "allreduce.noname.1.0",
+        "allreduce.noname.1.1",
+    ]
+    assert hvd.allgather_object(sorted(names.values())) == [sorted(names.values())] * hvd.size()
+    named = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    assert sorted(named._parameter_names.values()) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert named._parameter_names[model[0].weight] == "0.weight"
+
+
 def test_grouped_allgather_and_the_gradients_of_allgather_and_broadcast():
     n, r = hvd.size(), hvd.rank()
     a, b = hvd.grouped_allgather([torch.full((r + 1, 2), float(r)), torch.tensor([r])])
