@@ -12,7 +12,8 @@ ends" is tested against it), and:
 * `leave_at_exit` / `abort_at_exit` record how to end at exit once a rank was lost, and `at_exit` what a front does
   first (collsync.torch's `shutdown`); the one exit hook (`_at_exit`) runs those, then acts on the record;
 * `watch_failures` installs the one `sys.excepthook`: an exception that ends a rank's script ends the job at once,
-  as Horovod's shutdown does, instead of leaving the other ranks in a collective until the deadline;
+  as Horovod's shutdown does, instead of leaving the other ranks in a collective until the deadline; so does a
+  script's `sys.exit(n)` with n other than 0, seen at exit;
 * `request_stop` / `stop_requested` / `stop_now` hold a stop asked for by a signal (collsync.checkpoint installs the
   handlers; start-up waits in the transport look at the request, so it lives here, below both).
 
@@ -76,6 +77,12 @@ ENDINGS: tuple[Ending, ...] = (
         "an exception ended a rank's script",
     ),
     Ending(
+        "exited",
+        "n",
+        "one line naming the rank and its status at exit, then `MPI_Abort(n)`",
+        "a rank's script called `sys.exit(n)` with n other than 0",
+    ),
+    Ending(
         "error",
         "2",
         "one line naming the rank (rank 0's, the others wait for it), then `MPI_Abort(2)`",
@@ -113,6 +120,7 @@ class _Record:
     comm: MPI.Comm | None = None  # what `abort_at_exit` aborts
     first: list[Callable[[], None]] = field(default_factory=list)
     failure: BaseException | None = None
+    exit_status: object = None  # what the script gave `sys.exit` (or, under `python -m mpi4py`, `SystemExit`)
     stop: int | None = None  # the signal that asked the run to stop
 
 
@@ -200,6 +208,7 @@ def leaving() -> bool:
 def _at_exit() -> None:
     record = _RECORD
     _quiet_usr1()
+    _end_if_exited(record.exit_status)
     for first in list(record.first):
         first()
     if record.mode == "abort":
@@ -245,9 +254,65 @@ def watch_failures(comm: MPI.Comm, who: Callable[[], str], quiet: tuple[type[Bas
     `quiet` type (a rank lost: its message says everything) get only the line, and end with status 2."""
     global _WATCH, _previous_hook
     _WATCH = _Watch(comm, who, quiet)
+    _watch_exits()
     if sys.excepthook is not _excepthook:
         _previous_hook = sys.excepthook
         sys.excepthook = _excepthook
+
+
+def _exit(status: str | int | None = None) -> NoReturn:
+    """`sys.exit` while failures are watched: the status is recorded for the exit hook, then Python's own."""
+    _RECORD.exit_status = status
+    _sys_exit(status)
+
+
+_sys_exit = sys.exit
+
+
+def _watch_exits() -> None:
+    """Record the status a script exits with: `sys.exit` is wrapped, and under `python -m mpi4py` the function its
+    runner hands a `SystemExit` to (which also sees `raise SystemExit(n)` and `exit(n)`). Python's exit hooks are
+    not told the status, and the one that matters here (`_at_exit`) must act before `shutdown` waits for the
+    others."""
+    global _sys_exit
+    if sys.exit is not _exit:
+        _sys_exit = sys.exit
+        sys.exit = _exit
+    run = sys.modules.get("mpi4py.run")
+    hand_over = getattr(run, "set_abort_status", None)
+    if run is not None and callable(hand_over) and not getattr(hand_over, "_collsync", False):
+
+        def set_abort_status(status: object) -> None:
+            if isinstance(status, SystemExit):
+                _RECORD.exit_status = status.code
+            hand_over(status)
+
+        set_abort_status._collsync = True  # type: ignore[attr-defined]
+        run.set_abort_status = set_abort_status  # type: ignore[attr-defined]
+
+
+def exit_status(status: object) -> int:
+    """The process status Python gives `sys.exit(status)`: None is 0, an int itself, anything else (a message) 1."""
+    if status is None:
+        return 0
+    return status if isinstance(status, int) else 1
+
+
+def _end_if_exited(status: object) -> None:
+    """At exit, a script that called `sys.exit` with a status other than 0 on one rank of a watched world ends the
+    job as an exception does (`_excepthook`): otherwise `shutdown` would wait for the other ranks, which wait for
+    this one in their next collective, until the deadline. Horovod's shutdown ends the others' collectives as
+    well. A status of 0 keeps the usual exit (the other ranks finish and meet it in `shutdown`)."""
+    code = exit_status(status)
+    watch = _WATCH
+    if code == 0 or watch is None or watch.comm.Get_size() == 1:
+        return
+    end(
+        code,
+        f"collsync: {watch.who()}: this rank's script exited with status {code} (SystemExit({status!r})); ending the "
+        f"job (MPI_Abort({code})) rather than leaving the other ranks waiting for it",
+        comm=watch.comm,
+    )
 
 
 def failed() -> BaseException | None:

@@ -22,6 +22,7 @@ from collsync.runtime.mpi_buckets import PASSES_MESSAGE, BucketReducer
 from collsync.runtime.mpi_coll import threads_supported
 from collsync.torch import _mode, ops
 from collsync.torch._mode import Mode
+from collsync.torch._ops_reduce import _allreduce_start
 from collsync.torch._world import World
 
 
@@ -55,6 +56,7 @@ class AllreduceMode(Mode):
         ]
         self.counts = {id(p): 0 for p in params}
         self.synchronized = False
+        self.checked = False  # whether the workers agreed on the buffers' types and sizes (at the first reduction)
         self.reducer: BucketReducer | None = None
         self.handles: list[Any] = []
         size = st.comm.Get_size()
@@ -94,14 +96,12 @@ class AllreduceMode(Mode):
             if self.st.backend == "horovod":
                 horovod_allreduce_(wire, self.op, self.pre, self.post)
             else:
-                ops.allreduce_(
-                    wire,
-                    op=self.op,
-                    prescale_factor=self.pre,
-                    postscale_factor=self.post,
-                    process_set=self.process_set,
-                )
+                # The workers agree on the buffers' layout at the first reduction only (the same buffers every step).
+                what = "DistributedOptimizer: the gradient allreduce"
+                args = (self.op, self.pre, self.post, what, True, self.process_set)
+                _allreduce_start(wire, wire, *args, check=not self.checked).wait()
             out.append(self.compression.decompress(wire, ctx))
+        self.checked = True
         return out
 
     def synchronize(self) -> None:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+import struct
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from collsync.torch._process_sets import global_process_set
+from collsync.torch._process_sets import global_process_set, set_comm
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
@@ -96,6 +98,256 @@ def _agree(comm: Any, meta: tuple[Any, ...], what: str, vary: tuple[int, ...] = 
         if field not in vary and any(v != values[0] for v in values):
             raise HorovodInternalError(f"{what}: the workers disagree: {values} (by rank)")
     return metas
+
+
+# Fixed codes for the dtypes in an agreement header (the hash of a dtype's name differs between processes).
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    dt: i
+    for i, dt in enumerate(
+        (torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+        + (torch.float16, torch.bfloat16, torch.bool, torch.complex64, torch.complex128)
+    )
+}
+_FIELD = (1 << 62) - 1  # header fields are kept below 2**62, so that their negation fits an int64
+
+
+def _bits(value: float) -> int:
+    """A float's 64 bits as a header field (a scale factor must agree exactly, as Horovod checks it)."""
+    bits: int = struct.unpack("<Q", struct.pack("<d", value))[0]
+    return (bits & _FIELD) ^ (bits >> 62)  # the two top bits (sign, exponent) folded into the low ones
+
+
+# What an agreement header says an operation is (Horovod's request types, for the ones a joined worker follows).
+ALLREDUCE, ALLGATHER, BROADCAST = 1, 2, 3
+_LOW = -(1 << 62)  # a joined worker's header fields: below any real one, so the maximum is the others'
+# The header's first fields are combined by their maximum only: whether some worker is still active, whether some
+# worker has joined, the rank that joins in this round, whether the operation blocks. The others are checked for
+# agreement (their maximum and minimum must be equal), the minimum coming back as the maximum of the negations.
+_ACTIVE, _JOINED, _LAST, _BLOCKING, _CHECKED = 0, 1, 2, 3, 4
+
+
+class _Agreement:
+    """The check that every worker calls a collective with the same tensors: Horovod's coordinator refuses an
+    allreduce whose type, shape, op or scale factors differ between ranks ("Mismatched allreduce tensor shapes",
+    "Mismatched data types"), where MPI would return each rank its own shape, wrong values, or abort the job.
+
+    One small MPI_Iallreduce (MAX) per operation (a grouped operation is one) on a communicator of its own beside
+    the data's (`_headers`), so headers are matched in the order the operations are called whatever order their
+    data moves in. Only where the fields differ do the workers gather the readable descriptions, all of them (each
+    sees the same maximum), and raise HorovodInternalError naming which workers sent what. The header also carries
+    Horovod's join: a worker in `join()` answers every header (`join`), contributing zeros to allreduces, and an
+    allgather or broadcast while some worker has joined is refused on the others, as Horovod refuses it."""
+
+    def __init__(
+        self,
+        comm: Any,
+        tensors: Sequence[torch.Tensor],
+        op: int,
+        pre: float,
+        post: float,
+        what: str,
+        kind: int = ALLREDUCE,
+        root: int = -1,
+        blocking: bool = False,
+    ) -> None:
+        self.comm, self.what, self.op, self.pre, self.post, self.kind = comm, what, op, pre, post, kind
+        self.root = root
+        self.dtypes = tuple(t.dtype for t in tensors)
+        self.shapes = tuple(tuple(t.shape) for t in tensors)
+        codes = tuple(_DTYPE_CODES.get(d, -1) for d in self.dtypes)
+        sig = [kind, len(tensors), hash(codes) & _FIELD, hash(self.shapes) & _FIELD, op, _bits(pre), _bits(post), root]
+        self.buf = np.array([1, 0, _LOW, int(blocking), *sig, *(-v for v in sig)], dtype=np.int64)
+        self.hcomm = _headers(comm)
+        self.request: Any = None
+        self.error: HorovodInternalError | None = None
+
+    def fields(self) -> tuple[tuple[str, Any], ...]:
+        """The header's fields as an error names them (built only where the workers disagree)."""
+        types = tuple(str(d).replace("torch.", "") for d in self.dtypes)
+        one = len(self.dtypes) == 1  # a single tensor's type and shape are shown as such, not as a group's
+        return (
+            ("operation", self.what),
+            ("number of tensors", len(self.dtypes)),
+            ("type" if one else "types", types[0] if one else types),
+            ("shape" if one else "shapes", list(self.shapes[0]) if one else [list(s) for s in self.shapes]),
+            ("op", _OP_NAMES.get(self.op, self.op)),
+            ("prescale factor", self.pre),
+            ("postscale factor", self.post),
+            ("root rank", self.root),
+        )
+
+    def start(self) -> _Agreement:
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        self.request = self.hcomm.Iallreduce(MPI.IN_PLACE, self.buf, op=MPI.MAX)
+        return self
+
+    def now(self) -> None:
+        """Agree before returning (a blocking operation; the header itself is always nonblocking, so that every
+        worker's headers match whichever call each made)."""
+        self.start()
+        _spin(self.request)
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise HorovodInternalError on every worker if any field differed between them, or if this operation
+        cannot run while a worker has joined. Called in the order the data starts (`_flush`): what it gathers
+        travels on the data's communicator, in step on every worker."""
+        buf = self.buf
+        if buf[_JOINED]:
+            if buf[_CHECKED] != ALLREDUCE:
+                raise HorovodInternalError(
+                    f"{self.what}: not supported while a worker has joined (Horovod: not supported with Join at "
+                    "this time)"
+                )
+            if _disagree(buf):
+                raise HorovodInternalError(
+                    f"{self.what}: mismatched tensor types, shapes, op or scale factors across the workers still "
+                    "active (some worker has joined)"
+                )
+            self.comm.allgather((self.dtypes, self.shapes, self.op))  # what the joined workers contribute zeros to
+            return
+        if not _disagree(buf):
+            return
+        mine = self.fields()
+        sent = list(enumerate(self.comm.allgather(mine)))
+        for i, (field, _) in enumerate(mine):
+            by_value: dict[str, list[int]] = {}
+            for rank, fields in sent:
+                by_value.setdefault(repr(fields[i][1]), []).append(rank)
+            if len(by_value) > 1:
+                said = "; ".join(f"{_ranks(ranks)} sent {value}" for value, ranks in by_value.items())
+                raise HorovodInternalError(f"{self.what}: mismatched tensor {field} across the workers: {said}")
+        raise HorovodInternalError(f"{self.what}: the workers' headers differ, their tensors do not: {sent}")
+
+
+def join_collectives(comm: Any) -> int:
+    """Horovod's `join()` without an optimizer: this worker has no more data. Until every worker has joined it
+    answers every agreement header of the others: an allreduce gets zeros of the others' types and shapes (so an
+    Average is the sum over the active workers divided by all of them, as in Horovod), an allgather or broadcast
+    is refused on the others (`_Agreement.verify`). Returns the rank that joined last (the highest of those that
+    joined in the last round), the same on every worker. Collectives without a header (alltoall, reducescatter,
+    barrier, the object operations) are not answered: the others would wait for this worker."""
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    _flush(comm)
+    hcomm = _headers(comm)
+    width = _CHECKED + 2 * 8
+    last = comm.Get_rank()
+    while True:
+        buf = np.full(width, _LOW, dtype=np.int64)
+        buf[_ACTIVE], buf[_JOINED], buf[_LAST] = 0, 1, last
+        last = _LOW  # this worker's rank goes with its first round only
+        _spin(hcomm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX))
+        if buf[_ACTIVE] == 0:
+            return int(buf[_LAST])
+        if buf[_CHECKED] != ALLREDUCE or _disagree(buf):
+            continue  # refused on the active workers: no data moves
+        dtypes, shapes, op = next(e for e in comm.allgather(None) if e is not None)
+        requests, held = [], []  # the zeros stay referenced until their reductions complete
+        for dtype, shape in zip(dtypes, shapes, strict=True):
+            zeros = torch.zeros(shape, dtype=dtype)
+            message = [words(zeros), _mpi_type(dtype, "join")]
+            held.append(zeros)
+            if buf[_BLOCKING]:
+                comm.Allreduce(MPI.IN_PLACE, message, op=_reduce_op(dtype, op))
+            else:
+                requests.append(comm.Iallreduce(MPI.IN_PLACE, message, op=_reduce_op(dtype, op)))
+        for request in requests:
+            _spin(request)
+        held.clear()
+
+
+def _disagree(buf: np.ndarray) -> bool:
+    """Whether the checked fields of a combined header differ between the workers (maximum != minimum)."""
+    n = (len(buf) - _CHECKED) // 2
+    return not bool((buf[_CHECKED : _CHECKED + n] == -buf[_CHECKED + n :]).all())
+
+
+def _spin(request: Any) -> None:
+    """Wait for an MPI request, yielding the core between tests (see `_Handle.wait`)."""
+    while not request.Test():
+        os.sched_yield()
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 0, 2' (worker ranks, within the process set)."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+# Per data communicator: its headers' communicator (a duplicate, made at its first header) and the operations whose
+# header is posted and whose data is not yet: their data starts in the order they were called, on every worker.
+_HEADERS: dict[int, tuple[Any, Any]] = {}
+_PENDING: dict[int, deque[_AfterAgreement]] = {}
+
+
+def _headers(comm: Any) -> Any:
+    """The communicator `comm`'s agreement headers travel on (`MPI_Comm_dup`, collective: every worker makes it at
+    the same call, its first header or its `join`). The entry holds `comm` itself, so its id stays its own."""
+    entry = _HEADERS.get(id(comm))
+    if entry is None or entry[0] is not comm:
+        entry = _HEADERS[id(comm)] = (comm, comm.Dup())
+    return entry[1]
+
+
+def _flush(comm: Any) -> None:
+    """Start the data of the operations on `comm` whose headers are posted, oldest first, waiting for their headers:
+    MPI matches collectives on a communicator by their order, so every worker starts them in the order the
+    operations were called, whatever order it polls or synchronizes them in. An operation whose header shows a
+    disagreement keeps the error for its `synchronize` and moves no data (on every worker alike)."""
+    queue = _PENDING.get(id(comm))
+    while queue:
+        queue.popleft().begin()
+
+
+def _progress(comm: Any) -> None:
+    """Start the data of the oldest operations on `comm` whose headers have arrived, without waiting: a worker in
+    `join()` moves each operation's data before it answers the next header, so a later header completes only once
+    the earlier data has started."""
+    queue = _PENDING.get(id(comm))
+    while queue and queue[0].agreement.request.Test():
+        queue.popleft().begin()
+
+
+def _comm(process_set: Any, what: str) -> tuple[Any, list[int] | None]:
+    """`set_comm`, after starting the data of operations still waiting for it on that communicator (`_flush`):
+    every operation that posts on a communicator takes it through here."""
+    comm, ranks = set_comm(process_set, what)
+    _flush(comm)
+    return comm, ranks
+
+
+class _AfterAgreement:
+    """A request (for `_Handle`) that waits for an agreement, then starts the operation itself (`start()` returns
+    its request): the data moves only once every worker is known to send the same shape and type, and in the order
+    the operations were called (`_flush`)."""
+
+    def __init__(self, agreement: _Agreement, start: Callable[[], Any]) -> None:
+        self.agreement, self.start, self.request, self.begun = agreement, start, None, False
+        agreement.start()
+        _PENDING.setdefault(id(agreement.comm), deque()).append(self)
+
+    def begin(self) -> None:
+        """Wait for the header, check it, start the data (or keep the error)."""
+        if self.begun:
+            return
+        self.begun = True
+        _spin(self.agreement.request)
+        try:
+            self.agreement.verify()
+        except HorovodInternalError as exc:
+            self.agreement.error = exc
+            return
+        self.request = self.start()
+
+    def Test(self) -> bool:  # noqa: N802 - MPI.Request's name, which _Handle calls
+        if not self.begun:
+            _progress(self.agreement.comm)
+            if not self.begun:
+                return False
+        if self.agreement.error is not None:
+            raise self.agreement.error
+        return self.request is None or bool(self.request.Test())
 
 
 def _check(tensor: torch.Tensor, what: str) -> None:
@@ -218,6 +470,7 @@ class _Handle:
 
     def __init__(self, request: Any, finish: Callable[[], Any]) -> None:
         self.request, self.finish, self.result, self.done = request, finish, None, False
+        self.name: str | None = None  # the name it was given, while in flight (`_register`)
 
     def test(self) -> bool:
         if not self.done and (self.request is None or self.request.Test()):
@@ -250,11 +503,26 @@ class _Requests:
 
 _HANDLES: dict[int, _Handle] = {}
 _IDS = itertools.count(1)
+_NAMES: dict[str, int] = {}  # the names of the operations in flight (until synchronized) -> their handles
 
 
-def _register(handle: _Handle) -> int:
+def _unnamed(name: str | None, what: str) -> None:
+    """Refuse an operation named as one still in flight, before it posts anything (Horovod's duplicate-name error:
+    its coordinator matches operations by name, so two in flight under one name cannot be told apart)."""
+    if name is not None and name in _NAMES:
+        raise ValueError(
+            f"{what}: requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor "
+            f"that is currently being processed (name={name!r}). If you want to request another tensor, use a "
+            "different tensor name."
+        )
+
+
+def _register(handle: _Handle, name: str | None = None) -> int:
     key = next(_IDS)
     _HANDLES[key] = handle
+    if name is not None:
+        _NAMES[name] = key
+        handle.name = name
     return key
 
 
@@ -267,7 +535,10 @@ def _handle(key: int, what: str) -> _Handle:
 def synchronize(handle: int) -> Any:
     """Wait for an asynchronous operation; returns its output tensor (Horovod's `hvd.synchronize`)."""
     _handle(handle, "synchronize")
-    return _HANDLES.pop(handle).wait()
+    done = _HANDLES.pop(handle)
+    if done.name is not None and _NAMES.get(done.name) == handle:
+        del _NAMES[done.name]  # the name is free again, whatever the outcome
+    return done.wait()
 
 
 def poll(handle: int) -> bool:

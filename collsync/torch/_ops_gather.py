@@ -12,31 +12,39 @@ import torch
 
 from collsync.runtime.mpi_coll import shutdown
 from collsync.torch._ops_base import (
+    ALLGATHER,
+    BROADCAST,
     Average,
     _agree,
+    _Agreement,
     _check,
+    _comm,
     _Handle,
     _mpi_type,
     _register,
     _Requests,
+    _unnamed,
     global_process_set,
+    join_collectives,
     synchronize,
     words,
 )
 from collsync.torch._ops_reduce import allreduce, grouped_allreduce
-from collsync.torch._process_sets import set_comm, set_root
+from collsync.torch._process_sets import set_root
 from collsync.torch._world import state
 
 
 def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str) -> _Handle:
     """Start the allgathers of `tensors` (one Iallgatherv each) after one agreement on their dtypes and shapes
     (all but the first dimension must agree, as Horovod checks); the handle's `wait()` returns the outputs."""
-    comm, _ = set_comm(process_set, what)
+    comm, _ = _comm(process_set, what)
     for t in tensors:
         _check(t, what)
     srcs = [t.detach().contiguous() for t in tensors]
     srcs = [s.reshape(1) if s.dim() == 0 else s for s in srcs]
     shapes = tuple((str(s.dtype), tuple(s.shape[1:])) for s in srcs)
+    if comm.Get_size() > 1:  # refused while a worker has joined, as in Horovod (the header carries the join)
+        _Agreement(comm, [s[:0] for s in srcs], Average, 1.0, 1.0, what, kind=ALLGATHER).now()
     metas = _agree(comm, (shapes, tuple(s.shape[0] for s in srcs)), what, vary=(1,))
     outs, requests = [], []
     for i, src in enumerate(srcs):
@@ -53,10 +61,11 @@ def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str) -> _
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> int:
     """Start an allgather: the workers' tensors concatenated along dimension 0 (sizes there may differ)."""
+    _unnamed(name, "allgather_async")
     handle = _gather_start([tensor], process_set, "allgather")
     finish = handle.finish
     handle.finish = lambda: finish()[0]
-    return _register(handle)
+    return _register(handle, name)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
@@ -70,7 +79,8 @@ def grouped_allgather_async(
     tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
 ) -> int:
     """Start allgathers of several tensors as one operation; `synchronize` returns the list of outputs."""
-    return _register(_gather_start(list(tensors), process_set, "grouped_allgather"))
+    _unnamed(name, "grouped_allgather_async")
+    return _register(_gather_start(list(tensors), process_set, "grouped_allgather"), name)
 
 
 def grouped_allgather(
@@ -93,7 +103,7 @@ class _AllgatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         reduced = grouped_allreduce(list(grads), op=Average, process_set=ctx.process_set)
-        comm, _ = set_comm(ctx.process_set, "allgather")
+        comm, _ = _comm(ctx.process_set, "allgather")
         rows = comm.allgather(ctx.rows)
         me = comm.Get_rank()
         out = []
@@ -107,10 +117,13 @@ def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> int:
     """Start an in-place broadcast of `tensor` from worker `root_rank` (a worker rank, in process sets too, as in
-    Horovod), after one agreement on dtype, shape and root (a disagreement raises HorovodInternalError)."""
-    comm, ranks = set_comm(process_set, "broadcast")
+    Horovod), after one agreement on dtype, shape and root (`_Agreement`: a disagreement raises
+    HorovodInternalError)."""
+    _unnamed(name, "broadcast_async_")
+    comm, ranks = _comm(process_set, "broadcast")
     _check(tensor, "broadcast")
-    _agree(comm, (str(tensor.dtype), tuple(tensor.shape), root_rank), "broadcast")
+    if comm.Get_size() > 1:
+        _Agreement(comm, [tensor], Average, 1.0, 1.0, "broadcast", kind=BROADCAST, root=root_rank).now()
     root = set_root(root_rank, ranks, comm.Get_size(), "broadcast")
     buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
     request = comm.Ibcast([words(buf), _mpi_type(buf.dtype, "broadcast")], root=root)
@@ -121,7 +134,7 @@ def broadcast_async_(
                 tensor.copy_(buf)
         return tensor
 
-    return _register(_Handle(request, finish))
+    return _register(_Handle(request, finish), name)
 
 
 def broadcast_async(
@@ -162,20 +175,20 @@ def broadcast_object(
     obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
 ) -> Any:
     """Any picklable object of worker `root_rank`, on every worker of the process set."""
-    comm, ranks = set_comm(process_set, "broadcast_object")
+    comm, ranks = _comm(process_set, "broadcast_object")
     return comm.bcast(obj, root=set_root(root_rank, ranks, comm.Get_size(), "broadcast_object"))
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
     """Every worker's picklable object, in rank order."""
-    comm, _ = set_comm(process_set, "allgather_object")
+    comm, _ = _comm(process_set, "allgather_object")
     return comm.allgather(obj)
 
 
 def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every worker of the process set gets here (an Ibarrier tested with pauses: ranks sharing cores
     do not spin)."""
-    comm, _ = set_comm(process_set, "barrier")
+    comm, _ = _comm(process_set, "barrier")
     shutdown(comm)
 
 
@@ -243,19 +256,16 @@ def _local_step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def join(device: int = -1) -> int:
-    """Horovod's join: this worker has no more batches. See `DistributedOptimizer.join` for what each mode does;
-    with no collsync optimizer it is a barrier. Returns the rank that joined last."""
+    """Horovod's join: this worker has no more batches. With a collsync optimizer, see `DistributedOptimizer.join`
+    for what each mode does; without one, this worker contributes zeros to the other workers' allreduces until
+    every worker has joined, and their allgathers and broadcasts meanwhile raise HorovodInternalError, as in
+    Horovod (`_ops_base.join_collectives`). Returns the rank that joined last, the same on every worker."""
     st = state("join")
     if st.joiner is not None:
         return st.joiner()
-    barrier()
-    return int(st.comm.allreduce(st.comm.Get_rank(), op=_max()))
-
-
-def _max() -> Any:
-    from mpi4py import MPI  # lazily: collsync imports without an MPI library
-
-    return MPI.MAX
+    if st.comm.Get_size() == 1:
+        return 0
+    return join_collectives(st.comm)
 
 
 def sparse_allreduce_async(
@@ -264,7 +274,7 @@ def sparse_allreduce_async(
     """Horovod's `sparse_allreduce_async`: a sparse tensor's indices and values allgathered over the set (the sum
     of the workers' sparse tensors, uncoalesced; divided by the set's size for Average). Returns a function that
     waits and returns the result, as Horovod's does."""
-    comm, _ = set_comm(process_set, "sparse_allreduce_async")
+    comm, _ = _comm(process_set, "sparse_allreduce_async")
     indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), process_set=process_set)
     values = allgather_async(tensor._values(), process_set=process_set)
     size = comm.Get_size()

@@ -14,12 +14,17 @@ import torch
 from collsync.torch._ops_base import (
     Average,
     Compression,
+    _AfterAgreement,
+    _Agreement,
     _check,
+    _flush,
     _Handle,
     _mpi_type,
     _op,
     _reduce_op,
     _register,
+    _Requests,
+    _unnamed,
     scale_,
     synchronize,
     words,
@@ -37,35 +42,75 @@ def _allreduce_start(
     what: str,
     blocking: bool = False,
     process_set: Any = global_process_set,
+    check: bool = True,
 ) -> _Handle:
     """Start (or with `blocking`, run: one MPI_Allreduce, the fastest where the caller waits anyway) the reduction
     of `tensor` into `output` over the process set's workers; the handle's `wait()` applies the post-scaling (for
-    Average, 1/size of the set) and returns `output`."""
+    Average, 1/size of the set) and returns `output`. With `check`, the workers first agree that they reduce the
+    same type and shape with the same op and scale factors (`_Agreement`; HorovodInternalError on every worker if
+    not, with `output` untouched)."""
+    handle = _allreduce_many([tensor], [output], op, prescale, postscale, what, blocking, process_set, check)
+    finish = handle.finish
+    handle.finish = lambda: finish()[0]
+    return handle
+
+
+def _allreduce_many(
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    op: int,
+    prescale: float,
+    postscale: float,
+    what: str,
+    blocking: bool = False,
+    process_set: Any = global_process_set,
+    check: bool = True,
+) -> _Handle:
+    """`_allreduce_start` of several tensors as one operation (one agreement for the group, then one MPI
+    allreduce per tensor); the handle's `wait()` returns the outputs."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     st = state(what)
     comm, _ = set_comm(process_set, what)
     blocking = blocking and not st.oversubscribed
-    _check(tensor, what)
-    if output is not tensor:
-        output.copy_(tensor)
-    buf = output if output.is_contiguous() else output.contiguous()
-    scale_(buf, prescale)
+    for tensor in tensors:
+        _check(tensor, what)
     post = postscale / comm.Get_size() if op == Average else postscale
-    message = [words(buf.detach()), _mpi_type(buf.dtype, what)]
+    bufs: list[torch.Tensor] = []
+
+    def start() -> Any:
+        requests = []
+        for tensor, output in zip(tensors, outputs, strict=True):
+            if output is not tensor:
+                output.copy_(tensor)
+            buf = output if output.is_contiguous() else output.contiguous()
+            scale_(buf, prescale)
+            message = [words(buf.detach()), _mpi_type(buf.dtype, what)]
+            if blocking:
+                comm.Allreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
+            else:
+                requests.append(comm.Iallreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op)))
+            bufs.append(buf)
+        if not requests:
+            return None
+        return requests[0] if len(requests) == 1 else _Requests(requests)
+
+    def finish() -> list[torch.Tensor]:
+        for buf, output in zip(bufs, outputs, strict=True):
+            scale_(buf, post)
+            if buf is not output:
+                output.copy_(buf)
+        return list(outputs)
+
+    if not check or comm.Get_size() == 1:
+        _flush(comm)
+        return _Handle(start(), finish)
+    agreement = _Agreement(comm, tensors, op, prescale, postscale, what, blocking=blocking)
     if blocking:
-        comm.Allreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
-        request = None
-    else:
-        request = comm.Iallreduce(MPI.IN_PLACE, message, op=_reduce_op(buf.dtype, op))
-
-    def finish() -> torch.Tensor:
-        scale_(buf, post)
-        if buf is not output:
-            output.copy_(buf)
-        return output
-
-    return _Handle(request, finish)
+        _flush(comm)
+        agreement.now()
+        return _Handle(start(), finish)
+    return _Handle(_AfterAgreement(agreement, start), finish)
 
 
 def allreduce_async_(
@@ -79,8 +124,10 @@ def allreduce_async_(
 ) -> int:
     """Start an in-place allreduce; `synchronize(handle)` returns `tensor` holding the result."""
     op = _op(op, average, "allreduce_async_")
+    _unnamed(name, "allreduce_async_")
     return _register(
-        _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set)
+        _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set),
+        name,
     )
 
 
@@ -95,9 +142,11 @@ def allreduce_async(
 ) -> int:
     """Start an allreduce into a new tensor; `synchronize(handle)` returns it."""
     op = _op(op, average, "allreduce_async")
+    _unnamed(name, "allreduce_async")
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _register(
-        _allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set)
+        _allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set),
+        name,
     )
 
 
@@ -165,11 +214,14 @@ def grouped_allreduce_async_(
 ) -> int:
     """Start in-place allreduces of several tensors as one operation; `synchronize` returns the list."""
     op = _op(op, average, "grouped_allreduce_async_")
-    handles = [
-        _allreduce_start(t, t, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set)
-        for t in tensors
-    ]
-    return _register(_Handle(None, lambda: [h.wait() for h in handles]))
+    _unnamed(name, "grouped_allreduce_async_")
+    tensors = list(tensors)
+    return _register(
+        _allreduce_many(
+            tensors, tensors, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set
+        ),
+        name,
+    )
 
 
 def grouped_allreduce_async(

@@ -21,19 +21,20 @@ from collsync.torch._ops_base import (
     Sum,
     _agree,
     _check,
+    _comm,
     _Handle,
     _mpi_type,
     _op,
     _reduce_op,
     _register,
     _Requests,
+    _unnamed,
     global_process_set,
     scale_,
     synchronize,
     words,
 )
 from collsync.torch._ops_gather import grouped_allgather
-from collsync.torch._process_sets import set_comm
 
 
 def _inner(t: torch.Tensor) -> int:
@@ -71,7 +72,7 @@ def alltoall_async(
     worker's rows for this one come back concatenated in rank order; `synchronize` returns `(output,
     received_splits)`, the latter an int32 tensor of the rows received from each worker (Horovod's answer)."""
     what = "alltoall"
-    comm, _ = set_comm(process_set, what)
+    comm, _ = _comm(process_set, what)
     _check(tensor, what)
     if tensor.dim() == 0:
         raise ValueError("alltoall: the tensor must have at least one dimension")
@@ -135,7 +136,7 @@ def _reducescatter_start(
         raise NotImplementedError(f"{what}: op=Adasum is not supported (Horovod's reducescatter refuses it too)")
     if op not in (Average, Sum):
         raise NotImplementedError(f"{what}: Horovod's reducescatter supports only Average and Sum")
-    comm, _ = set_comm(process_set, what)
+    comm, _ = _comm(process_set, what)
     for t in tensors:
         _check(t, what)
         if t.dim() == 0:
@@ -171,10 +172,11 @@ def reducescatter_async(
 ) -> int:
     """Start a reducescatter; `synchronize` returns this worker's part of the Average (or Sum) over the set."""
     op = _op(op, None, "reducescatter")
+    _unnamed(name, "reducescatter_async")
     handle = _reducescatter_start([tensor], op, process_set, prescale_factor, postscale_factor, "reducescatter")
     finish = handle.finish
     handle.finish = lambda: finish()[0]
-    return _register(handle)
+    return _register(handle, name)
 
 
 def grouped_reducescatter_async(
@@ -236,7 +238,7 @@ class _ReducescatterFn(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         factor = ctx.pre * ctx.post
         if ctx.op == Sum:
-            comm, _ = set_comm(ctx.process_set, "reducescatter")
+            comm, _ = _comm(ctx.process_set, "reducescatter")
             factor *= comm.Get_size()
         scaled = [g * factor if factor != 1.0 else g for g in grads]
         return (None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))

@@ -234,6 +234,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if sync is None:
         sync = st.sync if st.sync is not None else "bsp"
     config = sync_config(sync, **sync_options)
+    if named_parameters is not None and not isinstance(named_parameters, list):
+        named_parameters = list(named_parameters)  # read twice below (a model's named_parameters() is a generator)
     params = _params(optimizer, named_parameters)
     if not params:
         raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires a gradient")
@@ -263,11 +265,24 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     optimizer.__class__ = type(cls.__name__, (_Distributed, cls), {"__module__": cls.__module__})
     optimizer._collsync = mode  # type: ignore[attr-defined]
     optimizer._should_synchronize = True  # type: ignore[attr-defined]
+    optimizer._parameter_names = _parameter_names(optimizer, named_parameters)  # type: ignore[attr-defined]
     st.cleanups.append(mode.close)
     st.joiner = mode.join
     if mode.spec is not None:
         st.speculating = mode.spec  # `collsync.torch.speculative(step)` runs steps through it
     return optimizer
+
+
+def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.Tensor, str]:
+    """Horovod's `_parameter_names`, which scripts and Horovod's own tests read: each parameter's name, from
+    `named_parameters` or, without them, `allreduce.noname.{group}.{index}` as Horovod names them."""
+    if named_parameters is None:
+        return {
+            p: f"allreduce.noname.{i}.{j}"
+            for i, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+        }
+    return {p: name for name, p in named_parameters}
 
 
 def _serverless(

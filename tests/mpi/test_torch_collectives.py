@@ -118,6 +118,108 @@ def test_mismatched_tensors_raise_horovods_internal_error_on_every_worker():
         hvd.broadcast(torch.ones(2), root_rank=r)
 
 
+def test_mismatched_allreduces_raise_on_every_worker_naming_ranks_and_what_they_sent():
+    """Horovod's coordinator refuses an allreduce whose shape, type, op or scale factors differ between ranks;
+    here every worker raises HorovodInternalError naming what each rank sent, and the in-place tensor is left as
+    it was (no data moved). Afterwards the workers are still in step."""
+    if hvd.size() == 1:
+        pytest.skip("a mismatch needs two workers")
+    n, r = hvd.size(), hvd.rank()
+    last = n - 1
+    odd = r == last  # the last worker differs from the others
+    with pytest.raises(
+        hvd.HorovodInternalError, match=rf"allreduce: mismatched tensor shape .*rank {last} sent \[3, 2\]"
+    ):
+        hvd.allreduce(torch.ones((3, 2) if odd else (2, 3)))
+    with pytest.raises(hvd.HorovodInternalError, match=rf"mismatched tensor type .*rank {last} sent 'float64'"):
+        hvd.allreduce(torch.ones(4, dtype=torch.float64 if odd else torch.float32))
+    with pytest.raises(hvd.HorovodInternalError, match="mismatched tensor type .*'int32'"):
+        hvd.allreduce(torch.ones(4, dtype=torch.int32 if odd else torch.float32))
+    with pytest.raises(hvd.HorovodInternalError, match="mismatched tensor op .*'Sum'"):
+        hvd.allreduce(torch.ones(2), op=hvd.Sum if odd else hvd.Average)
+    with pytest.raises(hvd.HorovodInternalError, match="mismatched tensor prescale factor"):
+        hvd.allreduce(torch.ones(2), prescale_factor=2.0 if odd else 1.0)
+    mine = torch.full((2 + int(odd),), float(r))
+    with pytest.raises(hvd.HorovodInternalError, match="allreduce_: mismatched tensor shape"):
+        hvd.allreduce_(mine)
+    assert mine.tolist() == [float(r)] * (2 + int(odd))  # untouched
+    handle = hvd.allreduce_async(torch.ones(5 + int(odd)))  # returns at once; the error comes at synchronize
+    with pytest.raises(hvd.HorovodInternalError, match="allreduce_async: mismatched tensor shape"):
+        hvd.synchronize(handle)
+    with pytest.raises(hvd.HorovodInternalError, match=r"grouped_allreduce: mismatched tensor shapes"):
+        hvd.grouped_allreduce([torch.ones(3), torch.ones(2 + int(odd))])
+    with pytest.raises(hvd.HorovodInternalError, match="number of tensors"):
+        hvd.grouped_allreduce([torch.ones(3)] * (2 + int(odd)))
+    assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [float(n)] * 3  # still in step
+    assert hvd.synchronize(hvd.allreduce_async(torch.full((2,), float(r)), op=hvd.Sum)).tolist() == [n * last / 2] * 2
+
+
+def test_join_without_an_optimizer_contributes_zeros_until_every_worker_joined():
+    """Horovod's join: a worker out of data contributes zeros to the others' allreduces (sync, async, grouped, in
+    any dtype) until all joined, their allgathers and broadcasts meanwhile raise, and join returns the same rank,
+    the last to join, on every worker."""
+    n, r = hvd.size(), hvd.rank()
+    for first in range(n):
+        a, b = torch.full((5,), 10.0), torch.full((3, 2), 4, dtype=torch.int32)
+        hvd.synchronize(hvd.allreduce_async(a))  # a cached operation first, as Horovod's test does
+        if r == first:
+            ret = hvd.join()
+        else:
+            ha, hb = hvd.allreduce_async(a), hvd.allreduce_async(b)  # both in flight as the joined worker answers
+            summed = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+            grouped = hvd.grouped_allreduce([torch.ones(1), torch.ones(2, dtype=torch.float64)], op=hvd.Sum)
+            assert torch.allclose(hvd.synchronize(ha), torch.full((5,), 10.0 * (n - 1) / n))
+            assert hvd.synchronize(hb).tolist() == [[4 * (n - 1) // n] * 2] * 3
+            assert summed.tolist() == [n - 1.0] * 2 and [g.sum().item() for g in grouped] == [n - 1, 2 * (n - 1)]
+            with pytest.raises(hvd.HorovodInternalError, match="allgather: not supported while a worker has joined"):
+                hvd.allgather(torch.ones(2))
+            with pytest.raises(hvd.HorovodInternalError, match="broadcast: not supported while a worker has joined"):
+                hvd.broadcast(torch.ones(2), root_rank=0)
+            ret = hvd.join()
+        assert hvd.allgather_object(ret) == [ret] * n
+        assert n == 1 or ret != first
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # every worker is back
+
+
+def test_a_second_operation_in_flight_under_one_name_is_refused_as_in_horovod():
+    """Horovod refuses an operation named as one still in flight (ValueError) before it moves anything; the name
+    is free again once the first is synchronized."""
+    n = hvd.size()
+    for start in (
+        lambda: hvd.allreduce_async(torch.ones(2), name="twice"),
+        lambda: hvd.allreduce_async_(torch.ones(2), name="twice"),
+        lambda: hvd.allgather_async(torch.ones(2), name="twice"),
+        lambda: hvd.broadcast_async(torch.ones(2), 0, name="twice"),
+    ):
+        first = start()
+        with pytest.raises(ValueError, match="same name as another tensor .*name='twice'"):
+            hvd.allreduce_async(torch.ones(3), name="twice")
+        hvd.synchronize(first)
+    handle = hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)  # free again
+    assert hvd.synchronize(handle).tolist() == [float(n)] * 2
+
+
+def test_distributed_optimizer_names_its_parameters_as_horovod():
+    """Horovod's `_parameter_names` (read by scripts and Horovod's tests): from named_parameters, else
+    `allreduce.noname.{group}.{index}`, the same on every worker."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    names = opt._parameter_names
+    assert sorted(names.values()) == [
+        "allreduce.noname.0.0",
+        "allreduce.noname.0.1",
+        "allreduce.noname.1.0",
+        "allreduce.noname.1.1",
+    ]
+    assert hvd.allgather_object(sorted(names.values())) == [sorted(names.values())] * hvd.size()
+    named = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    assert sorted(named._parameter_names.values()) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert named._parameter_names[model[0].weight] == "0.weight"
+
+
 def test_grouped_allgather_and_the_gradients_of_allgather_and_broadcast():
     n, r = hvd.size(), hvd.rank()
     a, b = hvd.grouped_allgather([torch.full((r + 1, 2), float(r)), torch.tensor([r])])
