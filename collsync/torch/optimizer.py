@@ -220,17 +220,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             `sparse_as_dense`.
     """
     st = state("DistributedOptimizer")
-    refused = {ops.Adasum: "Adasum", ops.Min: "Min", ops.Max: "Max", ops.Product: "Product"}
-    if op in refused:
-        raise NotImplementedError(f"DistributedOptimizer: op={refused[op]} is not supported by collsync (Average, Sum)")
-    op = ops._op(op, None, "DistributedOptimizer")
+    op = _checked_op(op, gradient_predivide_factor, backward_passes_per_step, optimizer)
     on = set_world(st, process_set, "DistributedOptimizer")
-    if gradient_predivide_factor != 1.0 and op != ops.Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    if isinstance(optimizer, _Distributed):
-        raise ValueError("DistributedOptimizer: this optimizer is wrapped already")
     if sync is None:
         sync = st.sync if st.sync is not None else "bsp"
     config = sync_config(sync, **sync_options)
@@ -271,6 +262,21 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if mode.spec is not None:
         st.speculating = mode.spec  # `collsync.torch.speculative(step)` runs steps through it
     return optimizer
+
+
+def _checked_op(op: int, predivide: float, passes: int, optimizer: torch.optim.Optimizer) -> int:
+    """Horovod's checks of `DistributedOptimizer`'s arguments (its messages), and collsync's refusals; the op."""
+    refused = {ops.Adasum: "Adasum", ops.Min: "Min", ops.Max: "Max", ops.Product: "Product"}
+    if op in refused:
+        raise NotImplementedError(f"DistributedOptimizer: op={refused[op]} is not supported by collsync (Average, Sum)")
+    op = ops._op(op, None, "DistributedOptimizer")
+    if predivide != 1.0 and op != ops.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if passes <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if isinstance(optimizer, _Distributed):
+        raise ValueError("DistributedOptimizer: this optimizer is wrapped already")
+    return op
 
 
 def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.Tensor, str]:

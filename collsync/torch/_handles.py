@@ -1,0 +1,89 @@
+"""The handles `*_async` returns (Horovod's `synchronize`, `poll`): a collective in flight, named or numbered."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+class _Handle:
+    """A collective in flight: `wait()` completes it and returns its result."""
+
+    def __init__(self, request: Any, finish: Callable[[], Any]) -> None:
+        self.request, self.finish, self.result, self.done = request, finish, None, False
+        self.name: str | None = None  # the name it was given, while in flight (`_register`)
+
+    def test(self) -> bool:
+        if not self.done and (self.request is None or self.request.Test()):
+            self.result, self.done = self.finish(), True
+        return self.done
+
+    def wait(self) -> Any:
+        if not self.done:
+            if self.request is not None:
+                # Test and yield the core, rather than a blocking Wait: a rank that shares its core with another
+                # rank hands it over while it waits, yet reacts within one scheduling slice (sleeping pauses cost
+                # milliseconds per reduction here).
+                while not self.request.Test():
+                    os.sched_yield()
+            self.result, self.done = self.finish(), True
+        return self.result
+
+
+class _Requests:
+    """Several MPI requests tested as one (a grouped operation's handle)."""
+
+    def __init__(self, requests: list[Any]) -> None:
+        self.requests = requests
+
+    def Test(self) -> bool:  # noqa: N802 - MPI.Request's name, which _Handle calls
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        return bool(MPI.Request.Testall(self.requests))
+
+
+_HANDLES: dict[int, _Handle] = {}
+_IDS = itertools.count(1)
+_NAMES: dict[str, int] = {}  # the names of the operations in flight (until synchronized) -> their handles
+
+
+def _unnamed(name: str | None, what: str) -> None:
+    """Refuse an operation named as one still in flight, before it posts anything (Horovod's duplicate-name error:
+    its coordinator matches operations by name, so two in flight under one name cannot be told apart)."""
+    if name is not None and name in _NAMES:
+        raise ValueError(
+            f"{what}: requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor "
+            f"that is currently being processed (name={name!r}). If you want to request another tensor, use a "
+            "different tensor name."
+        )
+
+
+def _register(handle: _Handle, name: str | None = None) -> int:
+    key = next(_IDS)
+    _HANDLES[key] = handle
+    if name is not None:
+        _NAMES[name] = key
+        handle.name = name
+    return key
+
+
+def _handle(key: int, what: str) -> _Handle:
+    if key not in _HANDLES:
+        raise ValueError(f"{what}: handle {key!r} is unknown or was synchronized already")
+    return _HANDLES[key]
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for an asynchronous operation; returns its output tensor (Horovod's `hvd.synchronize`)."""
+    _handle(handle, "synchronize")
+    done = _HANDLES.pop(handle)
+    if done.name is not None and _NAMES.get(done.name) == handle:
+        del _NAMES[done.name]  # the name is free again, whatever the outcome
+    return done.wait()
+
+
+def poll(handle: int) -> bool:
+    """True if the asynchronous operation has finished (then `synchronize` returns at once)."""
+    return _handle(handle, "poll").test()
