@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from collsync.torch import _stall
+
 
 class _Handle:
     """A collective in flight: `wait()` completes it and returns its result."""
@@ -26,7 +28,14 @@ class _Handle:
                 # Test and yield the core, rather than a blocking Wait: a rank that shares its core with another
                 # rank hands it over while it waits, yet reacts within one scheduling slice (sleeping pauses cost
                 # milliseconds per reduction here).
+                header = getattr(self.request, "header", None)  # an operation still waiting for its agreement
                 while not self.request.Test():
+                    # The stall check (`_stall`): a wait for a header is watched; every wait answers the others.
+                    agreement = header() if header is not None else None
+                    if agreement is None:
+                        _stall.STALL.tick()
+                    else:
+                        _stall.STALL.tick(agreement.side, agreement.seq, agreement.what, agreement.since)
                     os.sched_yield()
             self.result, self.done = self.finish(), True
         return self.result

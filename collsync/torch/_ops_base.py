@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from collsync.torch import _stall
 from collsync.torch._handles import _Handle as _Handle
 from collsync.torch._handles import _handle as _handle
 from collsync.torch._handles import _register as _register
@@ -174,6 +176,9 @@ class _Agreement:
         sig = [kind, len(tensors), hash(codes) & _FIELD, hash(self.shapes) & _FIELD, op, _bits(pre), _bits(post), root]
         self.buf = np.array([1, 0, _LOW, int(blocking), *sig, *(-v for v in sig)], dtype=np.int64)
         self.hcomm = _headers(comm)
+        self.side = _HEADERS[id(comm)][2]
+        self.seq = _stall.header_number(self.side, what)  # its number on `comm`, which the stall check asks for
+        self.since = time.monotonic()
         self.request: Any = None
         self.error: HorovodInternalError | None = None
 
@@ -196,13 +201,14 @@ class _Agreement:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
         self.request = self.hcomm.Iallreduce(MPI.IN_PLACE, self.buf, op=MPI.MAX)
+        self.since = time.monotonic()
         return self
 
     def now(self) -> None:
         """Agree before returning (a blocking operation; the header itself is always nonblocking, so that every
         worker's headers match whichever call each made)."""
         self.start()
-        _spin(self.request)
+        _spin(self.request, self)
         self.verify()
 
     def verify(self) -> None:
@@ -280,9 +286,14 @@ def _disagree(buf: np.ndarray) -> bool:
     return not bool((buf[_CHECKED : _CHECKED + n] == -buf[_CHECKED + n :]).all())
 
 
-def _spin(request: Any) -> None:
-    """Wait for an MPI request, yielding the core between tests (see `_Handle.wait`)."""
+def _spin(request: Any, header: _Agreement | None = None) -> None:
+    """Wait for an MPI request, yielding the core between tests (see `_Handle.wait`); a wait for a `header` is
+    watched by the stall check (`_stall`), and every wait answers the other workers' stall questions."""
     while not request.Test():
+        if header is None:
+            _stall.STALL.tick()
+        else:
+            _stall.STALL.tick(header.side, header.seq, header.what, header.since)
         os.sched_yield()
 
 
@@ -293,16 +304,17 @@ def _ranks(ranks: list[int]) -> str:
 
 # Per data communicator: its headers' communicator (a duplicate, made at its first header) and the operations whose
 # header is posted and whose data is not yet: their data starts in the order they were called, on every worker.
-_HEADERS: dict[int, tuple[Any, Any]] = {}
+_HEADERS: dict[int, tuple[Any, Any, _stall.Side]] = {}
 _PENDING: dict[int, deque[_AfterAgreement]] = {}
 
 
 def _headers(comm: Any) -> Any:
     """The communicator `comm`'s agreement headers travel on (`MPI_Comm_dup`, collective: every worker makes it at
-    the same call, its first header or its `join`). The entry holds `comm` itself, so its id stays its own."""
+    the same call, its first header or its `join`), made with the stall check's (`_stall.Side`). The entry holds
+    `comm` itself, so its id stays its own."""
     entry = _HEADERS.get(id(comm))
     if entry is None or entry[0] is not comm:
-        entry = _HEADERS[id(comm)] = (comm, comm.Dup())
+        entry = _HEADERS[id(comm)] = (comm, comm.Dup(), _stall.STALL.side(comm.Dup()))
     return entry[1]
 
 
@@ -348,13 +360,18 @@ class _AfterAgreement:
         if self.begun:
             return
         self.begun = True
-        _spin(self.agreement.request)
+        _spin(self.agreement.request, self.agreement)
         try:
             self.agreement.verify()
         except HorovodInternalError as exc:
             self.agreement.error = exc
             return
         self.request = self.start()
+
+    def header(self) -> _Agreement | None:
+        """The agreement this operation still waits for (None once its data started): what a wait on it is, for
+        the stall check (`_Handle.wait`)."""
+        return None if self.begun else self.agreement
 
     def Test(self) -> bool:  # noqa: N802 - MPI.Request's name, which _Handle calls
         if not self.begun:

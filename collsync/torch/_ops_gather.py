@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from collsync.runtime.mpi_coll import shutdown
+from collsync.torch import _stall
 from collsync.torch._ops_base import (
     ALLGATHER,
     BROADCAST,
@@ -189,7 +190,7 @@ def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every worker of the process set gets here (an Ibarrier tested with pauses: ranks sharing cores
     do not spin)."""
     comm, _ = _comm(process_set, "barrier")
-    shutdown(comm)
+    shutdown(comm, while_waiting=_stall.STALL.tick)  # answers the other workers' stall questions meanwhile
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:

@@ -26,6 +26,7 @@ from collsync.runtime.mpi_world import (
     node_layout,
     set_threads,
 )
+from collsync.torch import _stall
 from collsync.torch.config import SyncConfig, sync_config
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ def init(
     ending.watch_failures(world, _who, quiet=(RankLost,))
     hello(world, deadline)  # bounded: a rank that never arrives is named, not waited for (its host is kept)
     startup.disarm()
+    _stall.configure(deadline)  # a collective some workers never call: named at 60 s, the job ended at the deadline
     node, cores = node_layout(world, deadline)  # collective over the whole world: servers included
     set_threads(world, node)
     over = node > cores  # oversubscribed
