@@ -1,8 +1,9 @@
-"""`collsync-run`: run a `collsync-train` job under an MPI launcher and, when it loses a rank, run it again on the
-ranks left from its last checkpoint.
+"""`collsync-run`: run a training job under an MPI launcher and, when it loses a rank, run it again on the ranks
+left from its last checkpoint (a `collsync-train` run) or its last `hvd.elastic` commit (any other script).
 
     collsync-run -n 8 --max-restarts 2 -- collsync-train sync=bsp steps=5000 checkpoint.every=200
     collsync-run -n 8 --max-restarts 2 --launcher srun -- .venv/bin/python -m mpi4py -m collsync.cli sync=bsp
+    collsync-run -n 4 --max-restarts 2 -- .venv/bin/python -m mpi4py train_elastic.py --epochs 5
 
 bsp, `runtime=allreduce`, `runtime=partial` and backup with more workers lost than `sync.backups` cannot go on
 inside one MPI job when a rank is lost: the run stops with its checkpoint (exit 2 after `sync.deadline` for a
@@ -16,6 +17,13 @@ finished, failed without losing a rank (a config error), or was stopped by a sig
 is one line on stderr; at the end the run folder's `summary.json` gets a `restarts` list (attempt, ranks, lost,
 why, from_step). SIGTERM, SIGINT and SIGUSR1 to the supervisor go to the job (which checkpoints and stops) and end
 the supervisor with the job's status, without a restart.
+
+Any other command is a script (a Horovod-style one, `collsync.torch`): every attempt gets `COLLSYNC_ELASTIC_DIR`
+(`--elastic-dir`, else a new folder `outputs/elastic/DATE/TIME`) in its environment, where `hvd.elastic`'s
+`commit()` writes each commit and from which `hvd.elastic.run` resumes the relaunched job (MPICH's `mpiexec` and
+`srun` pass the environment on; with Open MPI's `mpirun` on several hosts add `-x COLLSYNC_ELASTIC_DIR` to
+`--launcher`). The same rules decide a restart. The world only shrinks: horovodrun's options that let it grow
+(`--host-discovery-script`, a `--max-np` above `-n`) are refused.
 
 The names follow torchrun (`--max-restarts`) and horovodrun (`-np`, `--min-np`).
 """
@@ -37,6 +45,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from collsync.supervise_target import ELASTIC_ENV as ELASTIC_ENV
+from collsync.supervise_target import ELASTIC_FILE as ELASTIC_FILE
+from collsync.supervise_target import Target as Target
+from collsync.supervise_target import is_train as is_train
+from collsync.supervise_target import resumed as resumed
+from collsync.supervise_target import run_dir_of as run_dir_of
+from collsync.supervise_target import target
 
 PROG = "collsync-run"
 SUMMARY = "summary.json"  # the run folder's summary (collsync.rundir); named here so no torch loads for it
@@ -120,10 +136,10 @@ def lost_ranks(text: str) -> frozenset[int]:
     return frozenset(found)
 
 
-def observe(code: int, output: str, run_dir: Path, started: float) -> Outcome:
+def observe(code: int, output: str, run_dir: Path | None, started: float) -> Outcome:
     """Read an attempt's outcome from its exit status, its output and what it wrote into `run_dir` since
-    `started` (a summary from an earlier attempt says nothing about this one)."""
-    summary = _summary(run_dir, started)
+    `started` (a summary from an earlier attempt says nothing about this one; a script has no run folder)."""
+    summary = None if run_dir is None else _summary(run_dir, started)
     finished = summary is not None and "incomplete" not in summary
     text = output + ("\n" + str(summary.get("incomplete", "")) if summary is not None else "")
     lost = lost_ranks(text)
@@ -143,28 +159,6 @@ def _summary(run_dir: Path, started: float) -> dict[str, Any] | None:
 
 
 # -- the job ---------------------------------------------------------------------------------------------------
-
-
-def run_dir_of(command: list[str]) -> tuple[list[str], Path]:
-    """The run folder the command writes (its `hydra.run.dir=`), adding one the way `collsync-train` names it
-    when the command has none: every attempt must write, and resume from, the same folder."""
-    if not any(Path(a).name == "collsync-train" or a == "collsync.cli" for a in command):
-        raise ValueError(
-            "the command is not a collsync-train run (collsync-train ... or python -m mpi4py -m collsync.cli ...): "
-            "only those are restarted from a run folder's checkpoint"
-        )
-    # Hydra's -m is followed by overrides (key=value), python's -m by a module name.
-    multirun = [
-        a.startswith("--multirun") or (a == "-m" and "=" in (command[i + 1 : i + 2] or ["="])[0])
-        for i, a in enumerate(command)
-    ]
-    if any(multirun):
-        raise ValueError("a multirun (-m) cannot be restarted as one job: run collsync-run once per run")
-    for a in command:
-        if a.startswith("hydra.run.dir="):
-            return command, Path(a.split("=", 1)[1])
-    folder = f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"
-    return [*command, f"hydra.run.dir={folder}"], Path(folder)
 
 
 def launch_command(launcher: str, ranks: int, command: list[str], kill_on_bad_exit: bool = True) -> list[str]:
@@ -188,20 +182,14 @@ def launch_command(launcher: str, ranks: int, command: list[str], kill_on_bad_ex
     return [*words, "-n", str(ranks), *command]
 
 
-def resumed(command: list[str], run_dir: Path) -> list[str]:
-    """The command of a restart: `resume=auto` (this run folder's checkpoint) in place of any `resume=`, once the
-    folder has a checkpoint; without one the command as it was (it starts afresh, as the first attempt did)."""
-    if not (run_dir / "checkpoint.pt").exists():
-        return command
-    return [*(a for a in command if not a.startswith("resume=")), "resume=auto"]
-
-
 class Job:
     """One attempt: the launcher in a session of its own (a terminal's Ctrl-C reaches it once, through the
     supervisor, not twice), its output passed through as it comes, the last `TAIL_BYTES` of it kept."""
 
-    def __init__(self, args: list[str]) -> None:
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env
+        )
         self.tail = bytearray()
         self.lock = threading.Lock()
         assert self.proc.stdout is not None and self.proc.stderr is not None
@@ -265,9 +253,11 @@ def _from_steps(run_dir: Path, resumed: list[bool]) -> list[int | None]:
     return [found.pop(0) if r else 0 for r in resumed]
 
 
-def supervise(launcher: str, ranks: int, min_ranks: int, max_restarts: int, command: list[str]) -> int:
+def supervise(
+    launcher: str, ranks: int, min_ranks: int, max_restarts: int, command: list[str], elastic_dir: str | None = None
+) -> int:
     """Run `command` on `ranks` ranks, restarting it as `decide` says; returns the last attempt's exit status."""
-    command, run_dir = run_dir_of(command)
+    goal = target(command, elastic_dir)
     asked: list[int] = []  # signals the supervisor was sent: passed to the job, and no restart after them
     job: Job | None = None
 
@@ -279,34 +269,34 @@ def supervise(launcher: str, ranks: int, min_ranks: int, max_restarts: int, comm
     for signum in FORWARDED:
         signal.signal(signum, forward)
     restarts: list[dict[str, Any]] = []
-    from_checkpoint: list[bool] = []  # per restart: did it resume from a checkpoint
-    args = command
+    from_checkpoint: list[bool] = []  # per restart: did it resume from a checkpoint (or a commit)
+    args = goal.command
     while True:
         started = time.time()
-        job = Job(launch_command(launcher, ranks, args))
+        job = Job(launch_command(launcher, ranks, args), goal.env)
         if asked:
             job.signal(asked[-1])  # a signal that came while the launcher started
         code, output = job.wait()
         if asked:
             _say(f"stopped by {signal.Signals(asked[0]).name}: the job ended with status {code}, not restarted")
             return code
-        decision = decide(observe(code, output, run_dir, started), ranks, min_ranks, max_restarts - len(restarts))
+        decision = decide(observe(code, output, goal.run_dir, started), ranks, min_ranks, max_restarts - len(restarts))
         if not decision.restart:
             if restarts:
-                for entry, step in zip(restarts, _from_steps(run_dir, from_checkpoint), strict=True):
-                    entry["from_step"] = step
-                _record(run_dir, restarts)
+                if goal.run_dir is not None:
+                    for entry, step in zip(restarts, _from_steps(goal.run_dir, from_checkpoint), strict=True):
+                        entry["from_step"] = step
+                    _record(goal.run_dir, restarts)
                 _say(f"{decision.why} after {len(restarts)} restart(s), on {ranks} rank(s) (exit {code})")
             elif code != 0:
                 _say(f"{decision.why}: not restarted (exit {code})")
             return code
-        args = resumed(command, run_dir)
-        from_checkpoint.append(args is not command)
-        start = "its last checkpoint" if args is not command else "the start (no checkpoint yet)"
+        args, resumes, start = goal.restart()
+        from_checkpoint.append(resumes)
         restarts.append({"attempt": len(restarts) + 2, "ranks": decision.ranks, "was": ranks, "why": decision.why})
         _say(
             f"attempt {len(restarts) + 1} of {max_restarts + 1}: {decision.why} (exit {code}); restarting on "
-            f"{decision.ranks} rank(s) (was {ranks}) from {start} in {run_dir}"
+            f"{decision.ranks} rank(s) (was {ranks}) from {start} in {goal.where()}"
         )
         ranks = decision.ranks
 
@@ -314,9 +304,10 @@ def supervise(launcher: str, ranks: int, min_ranks: int, max_restarts: int, comm
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Run a collsync-train job under an MPI launcher; when it loses a rank, run it again on the ranks "
-        "left from its last checkpoint (resume=auto in the same run folder).",
-        usage=f"{PROG} -n N [--max-restarts K] [--min-np M] [--launcher mpiexec|srun] -- COMMAND ...",
+        description="Run a collsync-train job or a script under an MPI launcher; when it loses a rank, run it again "
+        "on the ranks left from its last checkpoint (resume=auto in the same run folder) or, for a script, its last "
+        "hvd.elastic commit (COLLSYNC_ELASTIC_DIR).",
+        usage=f"{PROG} -n N [--max-restarts K] [--min-np M] [--launcher mpiexec|srun] [--elastic-dir D] -- COMMAND ...",
     )
     parser.add_argument("-n", "-np", "--np", dest="np", type=int, required=True, help="ranks of the first attempt")
     parser.add_argument(
@@ -326,11 +317,23 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--launcher", default="mpiexec", help="mpiexec (the venv's, default), srun, or either with its own options"
     )
+    parser.add_argument(
+        "--elastic-dir", help="a script's hvd.elastic commit folder (default: a new outputs/elastic/DATE/TIME)"
+    )
+    # horovodrun's options for a world that grows: refused by name below.
+    parser.add_argument("--max-np", dest="max_np", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--host-discovery-script", dest="discovery", help=argparse.SUPPRESS)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the job: collsync-train overrides ... (after --)")
     ns = parser.parse_args(argv)
     ns.command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not ns.command:
         parser.error("no command to run: give it after --, e.g. -- collsync-train sync=bsp")
+    if ns.discovery is not None or (ns.max_np is not None and ns.max_np > ns.np):
+        flag = "--host-discovery-script" if ns.discovery is not None else f"--max-np {ns.max_np} above -n {ns.np}"
+        parser.error(
+            f"{flag} (horovodrun's elastic growth) is not supported: the world never grows, collsync-run only "
+            "relaunches on the ranks left"
+        )
     if ns.np < 1 or ns.restarts < 0 or not 1 <= ns.min_np <= ns.np:
         parser.error(
             f"need -n >= 1, --max-restarts >= 0 and 1 <= --min-np <= -n (got {ns.np}, {ns.restarts}, {ns.min_np})"
@@ -342,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """`collsync-run -n N [--max-restarts K] [--min-np M] [--launcher L] -- COMMAND ...`"""
     ns = parse(sys.argv[1:] if argv is None else argv)
     try:
-        code = supervise(ns.launcher, ns.np, ns.min_np, ns.restarts, ns.command)
+        code = supervise(ns.launcher, ns.np, ns.min_np, ns.restarts, ns.command, ns.elastic_dir)
     except (ValueError, OSError) as exc:
         launcher = shlex.split(ns.launcher)[:1]
         if isinstance(exc, FileNotFoundError) and exc.filename is not None and [exc.filename] == launcher:

@@ -15,6 +15,7 @@ mode's semantics and `collsync.torch.config` for the options.
 
 from __future__ import annotations
 
+from collsync.torch import elastic
 from collsync.torch._world import (
     ccl_built,
     cross_rank,
@@ -102,32 +103,6 @@ def _unsupported(name: str) -> object:
     return call
 
 
-class _Refused:
-    """A Horovod namespace or class collsync does not have: any use (an attribute, a call) is refused in one line
-    naming what to use instead, not an AttributeError."""
-
-    def __init__(self, name: str, instead: str) -> None:
-        self._name = name
-        self._instead = instead
-
-    def _refuse(self, what: str) -> NotImplementedError:
-        instead = self._instead
-        return NotImplementedError(f"collsync.torch.{what}: not supported by collsync (Horovod has it); {instead}")
-
-    def __getattr__(self, attr: str) -> object:
-        if attr.startswith("_"):  # probes of tools (copy, pickle, inspect, pytest) get the usual answer
-            raise AttributeError(attr)
-        raise self._refuse(f"{self._name}.{attr}")
-
-    def __call__(self, *args: object, **kwargs: object) -> None:
-        raise self._refuse(self._name)
-
-
-elastic = _Refused(
-    "elastic",
-    "relaunch and resume from checkpoints instead (the model's, and in server modes "
-    "DistributedOptimizer.server_state_dict(), passed back as DistributedOptimizer(..., server_state=...))",
-)
 start_timeline = _unsupported("start_timeline")
 stop_timeline = _unsupported("stop_timeline")
 

@@ -42,12 +42,13 @@ _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: 
 
 class HorovodInternalError(RuntimeError):
     """A collective failed (Horovod's `HorovodInternalError`): here, the workers disagreed on a collective's
-    dtype, shape or root. Horovod's elastic mode resets on it; collsync has no elastic mode, so it is an error."""
+    dtype, shape or root. `hvd.elastic.run` restores the last commit on it and calls the function again, as
+    Horovod's elastic mode does; elsewhere it is an error."""
 
 
 class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
-    """Horovod's elastic-mode interrupt (the set of hosts changed). collsync has no elastic mode and never raises
-    it; the class exists so that scripts catching it import and run."""
+    """Horovod's elastic-mode interrupt (the set of hosts changed). collsync has no host discovery and never raises
+    it; a script may, and `hvd.elastic.run` then resets as Horovod's does."""
 
     def __init__(self, skip_sync: bool) -> None:
         super().__init__(skip_sync)

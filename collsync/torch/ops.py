@@ -8,7 +8,7 @@ float32 and rounded back to float16 after each step, as Horovod's own float16 MP
 `Compression.fp16` gives Horovod's numbers; bfloat16 tensors (numpy has none: MPI moves their raw 16-bit words)
 are combined the same way, rounded to nearest-even by torch (not checked against Horovod's bits). Autograd passes
 through `allreduce`, `grouped_allreduce`, `allgather`, `grouped_allgather`, `broadcast`, `alltoall` and the
-reducescatters with the gradients Horovod defines. What Horovod has and collsync does not (Adasum, elastic, GPU
+reducescatters with the gradients Horovod defines. What Horovod has and collsync does not (Adasum, GPU
 tensors) raises `NotImplementedError` naming it.
 
 One module per family: the allreduces here, gathers and broadcasts in `_ops_gather`, alltoall and reducescatter

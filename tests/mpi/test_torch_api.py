@@ -117,10 +117,6 @@ def test_what_horovod_has_and_collsync_not_is_refused_by_name():
         hvd.reducescatter(torch.zeros(hvd.size()), op=hvd.Adasum)
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.DistributedOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), op=hvd.Adasum)
-    with pytest.raises(NotImplementedError, match=r"collsync.torch.elastic.run: .*server_state"):
-        hvd.elastic.run(lambda state: None)
-    with pytest.raises(NotImplementedError, match=r"collsync.torch.elastic.TorchState: "):
-        hvd.elastic.TorchState(model=net())
     with pytest.raises(NotImplementedError, match="start_timeline"):
         hvd.start_timeline("timeline.json")
     with pytest.raises(ValueError, match="ProcessSet"):
