@@ -83,6 +83,13 @@ ENDINGS: tuple[Ending, ...] = (
         "a rank's script called `sys.exit(n)` with n other than 0",
     ),
     Ending(
+        "stalled",
+        "1",
+        "one line on each waiting worker naming the collective and the workers that did not call it, then "
+        "`MPI_Abort(1)`",
+        "a collective some workers never called, past `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` or the deadline",
+    ),
+    Ending(
         "error",
         "2",
         "one line naming the rank (rank 0's, the others wait for it), then `MPI_Abort(2)`",
