@@ -92,7 +92,12 @@ class StallCheck:
             self._warned.add((id(side), seq))
             print(self._report(side, seq, what, waited), file=sys.stderr, flush=True)
         if self.end_s is not None and waited >= self.end_s:
-            ending.end(1, self._report(side, seq, what, waited) + "; ending the job", comm=side.comm)
+            # The lowest worker waiting here ends the job; the others give its abort a moment to come first (two
+            # aborts at once leave the launcher's status to chance).
+            answers = self._answers.get(id(side), {})
+            waiting = [w for w, (called, _) in answers.items() if called >= seq] + [side.comm.Get_rank()]
+            defer = 0.0 if side.comm.Get_rank() == min(waiting) else 2.0
+            ending.end(1, self._report(side, seq, what, waited) + "; ending the job", comm=side.comm, defer=defer)
 
     def _answer(self) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library

@@ -1,6 +1,6 @@
 """Horovod's stall check through `collsync.torch`: a collective that worker 1 of 3 never calls is named, with the
 worker missing, after HOROVOD_STALL_CHECK_TIME_SECONDS, and the job ends after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
-(one line naming it again; status 1), whether worker 1 computes meanwhile (it answers nothing) or waits in another
+(one line naming it again; the abort's status), whether worker 1 computes meanwhile (it answers nothing) or waits in another
 collective (it says the last collective it called). Once at short times, once at Horovod's default of 60 s."""
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from tests.integration.hits import MPIEXEC
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="the venv has no mpiexec (install the mpich extra)")
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "torch_stall.py"
+# The job's status: the abort's 1, or the signal MPICH's mpiexec ended the computing worker with when it counts that
+# one first (seen in 1 of 3 runs).
+ENDED = (1, 9)
 
 
 def _run(missing: str, warn: float | None, end: float) -> tuple[subprocess.CompletedProcess, float]:
@@ -44,7 +47,7 @@ def _lines(proc: subprocess.CompletedProcess) -> list[str]:
 )
 def test_a_collective_one_worker_never_calls_is_named_then_ends_the_job(missing, says):
     proc, took = _run(missing, warn=3, end=8)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode in ENDED, proc.stderr[-3000:]
     lines = _lines(proc)
     warned = [x for x in lines if "ending the job" not in x]
     ended = [x for x in lines if "ending the job" in x]
@@ -58,7 +61,7 @@ def test_a_collective_one_worker_never_calls_is_named_then_ends_the_job(missing,
 def test_at_horovods_default_the_warning_comes_at_60_s():
     """No HOROVOD_STALL_CHECK_TIME_SECONDS: the warning at 60 s (Horovod's default), the end at 70 s here."""
     proc, took = _run("silent", warn=None, end=70)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode in ENDED, proc.stderr[-3000:]
     warned = [x for x in _lines(proc) if "ending the job" not in x]
     assert warned and all(" has waited 60 s in allreduce " in x for x in warned), warned
     assert 70 <= took < 70 + 60, took
