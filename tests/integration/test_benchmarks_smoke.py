@@ -54,9 +54,9 @@ def _check(name: str, data: dict[str, Any]) -> None:
         assert data["max_abs_diff"] <= 1e-5  # the partial mean is the allreduce mean (checked in the run too)
         # Round trips counted per round: a full quorum is one Allreduce (no one-sided call), n - 1 goes through the
         # windows (each rank's own count, gathered).
-        rma = data["rma_per_round"]
-        assert len(rma["quorum n - 1"]["per_rank"]) == data["ranks"]
-        assert rma["quorum n - 1"]["max_protocol_round_trips"] > 0 == rma[f"quorum {data['ranks']}"]["max_round_trips"]
+        rma, n = data["rma_per_round"], data["ranks"]
+        assert len(rma[f"quorum {n - 1}"]["per_rank"]) == n
+        assert rma[f"quorum {n - 1}"]["max_protocol_round_trips"] > 0 == rma[f"quorum {n}"]["max_round_trips"]
     elif name == "mpi_shards_scaling":
         rows = data["servers"]
         assert set(rows) == {"1", "2"}
