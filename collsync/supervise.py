@@ -52,7 +52,7 @@ from collsync.supervise_target import Target as Target
 from collsync.supervise_target import is_train as is_train
 from collsync.supervise_target import resumed as resumed
 from collsync.supervise_target import run_dir_of as run_dir_of
-from collsync.supervise_target import target
+from collsync.supervise_target import survives, target
 
 PROG = "collsync-run"
 SUMMARY = "summary.json"  # the run folder's summary (collsync.rundir); named here so no torch loads for it
@@ -161,11 +161,16 @@ def _summary(run_dir: Path, started: float) -> dict[str, Any] | None:
 # -- the job ---------------------------------------------------------------------------------------------------
 
 
-def launch_command(launcher: str, ranks: int, command: list[str], kill_on_bad_exit: bool = True) -> list[str]:
+def launch_command(
+    launcher: str, ranks: int, command: list[str], kill_on_bad_exit: bool = True, keep: bool = False
+) -> list[str]:
     """`launcher` (mpiexec, srun, or either with options of its own) starting `command` on `ranks` ranks.
 
     srun gets `--mpi=pmi2` (what the mpich wheel speaks) unless the launcher names one, and `--kill-on-bad-exit=1`:
-    a rank that dies ends the step at once, so the restart comes now rather than after `sync.deadline`."""
+    a rank that dies ends the step at once, so the restart comes now rather than after `sync.deadline`. `keep` (a
+    run that goes on without a lost worker, `survives`), under the venv's mpiexec (MPICH's Hydra): each rank runs
+    under `collsync.keepalive` with `-disable-auto-cleanup`, so that a rank killed is an ordinary exit to the
+    launcher, which then keeps the others (it kills them all when one dies of a signal)."""
     words = shlex.split(launcher)
     if not words:
         raise ValueError("--launcher is empty: give mpiexec, srun or a path to one")
@@ -179,6 +184,9 @@ def launch_command(launcher: str, ranks: int, command: list[str], kill_on_bad_ex
         # n separate one-rank jobs.
         beside = Path(sys.executable).parent / "mpiexec"
         words[0] = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+        if keep:
+            words += [] if "-disable-auto-cleanup" in words else ["-disable-auto-cleanup"]
+            command = [sys.executable, "-m", "collsync.keepalive", "--", *command]
     return [*words, "-n", str(ranks), *command]
 
 
@@ -273,7 +281,7 @@ def supervise(
     args = goal.command
     while True:
         started = time.time()
-        job = Job(launch_command(launcher, ranks, args), goal.env)
+        job = Job(launch_command(launcher, ranks, args, keep=survives(args)), goal.env)
         if asked:
             job.signal(asked[-1])  # a signal that came while the launcher started
         code, output = job.wait()
