@@ -230,6 +230,13 @@ class Job:
         return (128 - code if code < 0 else code), text
 
 
+def passed(signum: int, keep: bool) -> int:
+    """The signal the job gets for `signum` sent to the supervisor: itself, but SIGUSR1 (a stop) as SIGTERM where
+    the ranks run under `collsync.keepalive`. MPICH's mpiexec passes SIGUSR1 on to the ranks through its proxies,
+    from which the shim takes it as the launcher's notice that a rank died; SIGTERM stops the run the same way."""
+    return signal.SIGTERM if keep and signum == signal.SIGUSR1 else signum
+
+
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -266,13 +273,14 @@ def supervise(
 ) -> int:
     """Run `command` on `ranks` ranks, restarting it as `decide` says; returns the last attempt's exit status."""
     goal = target(command, elastic_dir)
+    keep = False  # whether the attempt's ranks run under collsync.keepalive
     asked: list[int] = []  # signals the supervisor was sent: passed to the job, and no restart after them
     job: Job | None = None
 
     def forward(signum: int, frame: Any) -> None:
         asked.append(signum)
         if job is not None:
-            job.signal(signum)
+            job.signal(passed(signum, keep))
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
@@ -281,9 +289,10 @@ def supervise(
     args = goal.command
     while True:
         started = time.time()
-        job = Job(launch_command(launcher, ranks, args, keep=survives(args)), goal.env)
+        keep = survives(args)
+        job = Job(launch_command(launcher, ranks, args, keep=keep), goal.env)
         if asked:
-            job.signal(asked[-1])  # a signal that came while the launcher started
+            job.signal(passed(asked[-1], keep))  # a signal that came while the launcher started
         code, output = job.wait()
         if asked:
             _say(f"stopped by {signal.Signals(asked[0]).name}: the job ended with status {code}, not restarted")
