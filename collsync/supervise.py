@@ -18,6 +18,10 @@ is one line on stderr; at the end the run folder's `summary.json` gets a `restar
 why, from_step). SIGTERM, SIGINT and SIGUSR1 to the supervisor go to the job (which checkpoints and stops) and end
 the supervisor with the job's status, without a restart.
 
+A run that goes on without a lost worker (`survives`: async, ssp, psp, backup within `sync.backups`, ...) is not
+restarted for a killed one: under the venv's mpiexec (MPICH) its ranks run under `collsync.keepalive` with
+`-disable-auto-cleanup`, so the launcher keeps the ranks left and the run finishes without the dead worker.
+
 Any other command is a script (a Horovod-style one, `collsync.torch`): every attempt gets `COLLSYNC_ELASTIC_DIR`
 (`--elastic-dir`, else a new folder `outputs/elastic/DATE/TIME`) in its environment, where `hvd.elastic`'s
 `commit()` writes each commit and from which `hvd.elastic.run` resumes the relaunched job (MPICH's `mpiexec` and
