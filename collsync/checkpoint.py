@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from collsync import ending
+from collsync import ending, keepalive
 from collsync.rules.base import plain, unplain  # noqa: F401  (rule-state algebra, kept importable from here)
 
 FORMAT = 1
@@ -239,7 +239,9 @@ def _handler(signum: int, frame: Any) -> None:
 
 
 def install() -> None:
-    """Turn SIGTERM / SIGINT / SIGUSR1 into a request to checkpoint and stop (main thread only)."""
+    """Turn SIGTERM / SIGINT / SIGUSR1 into a request to checkpoint and stop (main thread only); under
+    `collsync.keepalive`, the launcher's failure notice into "a rank died" (its SIGUSR1 is not a stop there)."""
     ending.clear_stop()
     for name in SIGNALS:
         signal.signal(getattr(signal, name), _handler)
+    keepalive.watch_notice()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from collsync import keepalive
 from collsync.runtime import ServingMailbox
 from collsync.server import Server
 from collsync.types import Arrival
@@ -46,7 +47,7 @@ def _owes(server: Server, worker: int) -> bool:
 def until_silent(server: Server, heard: list[float], last: float) -> float:
     """Seconds until the quietest live worker (the one heard from longest ago, `heard`; `last` if none is live)
     reaches the deadline, never under `LOST_POLL_S`: when the server must wake up to look for lost workers."""
-    deadline = server.policy.deadline
+    deadline = keepalive.patience(server.policy.deadline)
     assert deadline is not None
     quiet = min((heard[w] for w in range(server.workers) if w not in server.lost), default=last)
     return max(LOST_POLL_S, quiet + deadline - time.monotonic())
@@ -55,8 +56,9 @@ def until_silent(server: Server, heard: list[float], last: float) -> float:
 def lose_silent(server: Server, mailbox: ServingMailbox, heard: list[float], now: float) -> bool:
     """Lose every worker that owes a gradient and sent nothing for the deadline (stopped, partitioned, dead; one
     that left is not silent, it is gone). True if one was lost; a TimeoutError naming the workers waited on where
-    the policy cannot go on without it (`Server.lose`)."""
-    deadline = server.policy.deadline
+    the policy cannot go on without it (`Server.lose`). Once the launcher said that a rank died, silent for
+    `keepalive.NOTICE_PATIENCE_S` is enough where the deadline is longer."""
+    deadline = keepalive.patience(server.policy.deadline)
     assert deadline is not None
     silent = [w for w in range(server.workers) if w not in server.lost and now - heard[w] >= deadline]
     if silent:
@@ -79,8 +81,9 @@ def close_serving(
     deadline; those still out then are lost too, where the policy can do without them. `waiting(out)`: called once
     with the workers still out after `patience` seconds, where the deadline is longer: a worker mid-step stops
     within a step, one stopped or cut off only at the deadline (600 s by default), and what was trained must not
-    wait on it (rank 0 of collsync-train writes the run folder there)."""
-    deadline = server.policy.deadline
+    wait on it (rank 0 of collsync-train writes the run folder there). Once the launcher said that a rank died, the
+    wait is `keepalive.patience`'s."""
+    deadline = keepalive.patience(server.policy.deadline)
     start = time.monotonic()
     if waiting is not None and (deadline is None or patience < deadline) and not _stopped(server, mailbox, patience):
         waiting(still_out(server, mailbox))

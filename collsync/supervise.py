@@ -18,6 +18,10 @@ is one line on stderr; at the end the run folder's `summary.json` gets a `restar
 why, from_step). SIGTERM, SIGINT and SIGUSR1 to the supervisor go to the job (which checkpoints and stops) and end
 the supervisor with the job's status, without a restart.
 
+A run that goes on without a lost worker (`survives`: async, ssp, psp, backup within `sync.backups`, ...) is not
+restarted for a killed one: under the venv's mpiexec (MPICH) its ranks run under `collsync.keepalive` with
+`-disable-auto-cleanup`, so the launcher keeps the ranks left and the run finishes without the dead worker.
+
 Any other command is a script (a Horovod-style one, `collsync.torch`): every attempt gets `COLLSYNC_ELASTIC_DIR`
 (`--elastic-dir`, else a new folder `outputs/elastic/DATE/TIME`) in its environment, where `hvd.elastic`'s
 `commit()` writes each commit and from which `hvd.elastic.run` resumes the relaunched job (MPICH's `mpiexec` and
@@ -52,7 +56,7 @@ from collsync.supervise_target import Target as Target
 from collsync.supervise_target import is_train as is_train
 from collsync.supervise_target import resumed as resumed
 from collsync.supervise_target import run_dir_of as run_dir_of
-from collsync.supervise_target import target
+from collsync.supervise_target import survives, target
 
 PROG = "collsync-run"
 SUMMARY = "summary.json"  # the run folder's summary (collsync.rundir); named here so no torch loads for it
@@ -161,11 +165,16 @@ def _summary(run_dir: Path, started: float) -> dict[str, Any] | None:
 # -- the job ---------------------------------------------------------------------------------------------------
 
 
-def launch_command(launcher: str, ranks: int, command: list[str], kill_on_bad_exit: bool = True) -> list[str]:
+def launch_command(
+    launcher: str, ranks: int, command: list[str], kill_on_bad_exit: bool = True, keep: bool = False
+) -> list[str]:
     """`launcher` (mpiexec, srun, or either with options of its own) starting `command` on `ranks` ranks.
 
     srun gets `--mpi=pmi2` (what the mpich wheel speaks) unless the launcher names one, and `--kill-on-bad-exit=1`:
-    a rank that dies ends the step at once, so the restart comes now rather than after `sync.deadline`."""
+    a rank that dies ends the step at once, so the restart comes now rather than after `sync.deadline`. `keep` (a
+    run that goes on without a lost worker, `survives`), under the venv's mpiexec (MPICH's Hydra): each rank runs
+    under `collsync.keepalive` with `-disable-auto-cleanup`, so that a rank killed is an ordinary exit to the
+    launcher, which then keeps the others (it kills them all when one dies of a signal)."""
     words = shlex.split(launcher)
     if not words:
         raise ValueError("--launcher is empty: give mpiexec, srun or a path to one")
@@ -179,6 +188,9 @@ def launch_command(launcher: str, ranks: int, command: list[str], kill_on_bad_ex
         # n separate one-rank jobs.
         beside = Path(sys.executable).parent / "mpiexec"
         words[0] = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+        if keep:
+            words += [] if "-disable-auto-cleanup" in words else ["-disable-auto-cleanup"]
+            command = [sys.executable, "-m", "collsync.keepalive", "--", *command]
     return [*words, "-n", str(ranks), *command]
 
 
@@ -222,6 +234,13 @@ class Job:
         return (128 - code if code < 0 else code), text
 
 
+def passed(signum: int, keep: bool) -> int:
+    """The signal the job gets for `signum` sent to the supervisor: itself, but SIGUSR1 (a stop) as SIGTERM where
+    the ranks run under `collsync.keepalive`. MPICH's mpiexec passes SIGUSR1 on to the ranks through its proxies,
+    from which the shim takes it as the launcher's notice that a rank died; SIGTERM stops the run the same way."""
+    return signal.SIGTERM if keep and signum == signal.SIGUSR1 else signum
+
+
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -258,13 +277,14 @@ def supervise(
 ) -> int:
     """Run `command` on `ranks` ranks, restarting it as `decide` says; returns the last attempt's exit status."""
     goal = target(command, elastic_dir)
+    keep = False  # whether the attempt's ranks run under collsync.keepalive
     asked: list[int] = []  # signals the supervisor was sent: passed to the job, and no restart after them
     job: Job | None = None
 
     def forward(signum: int, frame: Any) -> None:
         asked.append(signum)
         if job is not None:
-            job.signal(signum)
+            job.signal(passed(signum, keep))
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
@@ -273,9 +293,10 @@ def supervise(
     args = goal.command
     while True:
         started = time.time()
-        job = Job(launch_command(launcher, ranks, args), goal.env)
+        keep = survives(args)
+        job = Job(launch_command(launcher, ranks, args, keep=keep), goal.env)
         if asked:
-            job.signal(asked[-1])  # a signal that came while the launcher started
+            job.signal(passed(asked[-1], keep))  # a signal that came while the launcher started
         code, output = job.wait()
         if asked:
             _say(f"stopped by {signal.Signals(asked[0]).name}: the job ended with status {code}, not restarted")

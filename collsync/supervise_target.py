@@ -19,6 +19,29 @@ def is_train(command: list[str]) -> bool:
     return any(Path(a).name == "collsync-train" or a == "collsync.cli" for a in command)
 
 
+def _override(command: list[str], key: str, default: str) -> str:
+    """The last `key=value` the command gives (Hydra's rule: the last one wins), else `default`."""
+    given = [a.split("=", 1)[1] for a in command if a.lstrip("+").startswith(f"{key}=")]
+    return given[-1] if given else default
+
+
+def survives(command: list[str]) -> bool:
+    """Whether the collsync-train run of `command` goes on without a lost worker inside one job (README, Lost
+    workers): async, bfasgd, specsync, ssp with a bound, psp and backup with `sync.backups` > 0 on the servers,
+    and `runtime=partial sync=backup`; not bsp, `runtime=allreduce`, nor `sync.on_lost=stop`. The defaults are
+    conf/config.yaml's (`sync=backup`, one backup). A script is not read: it counts as one that does not."""
+    if not is_train(command):
+        return False
+    sync, runtime = _override(command, "sync", "backup"), _override(command, "runtime", "auto")
+    if _override(command, "sync.on_lost", "null") == "stop" or runtime in ("allreduce", "sim"):
+        return False
+    if sync == "backup":
+        return _override(command, "sync.backups", "1") not in ("0", "null")
+    if sync == "ssp" and _override(command, "sync.max_lead", "1") == "0":
+        return False
+    return runtime != "partial" and sync in ("async", "bfasgd", "specsync", "ssp", "psp")
+
+
 def run_dir_of(command: list[str]) -> tuple[list[str], Path]:
     """The run folder the command writes (its `hydra.run.dir=`), adding one the way `collsync-train` names it
     when the command has none: every attempt must write, and resume from, the same folder."""

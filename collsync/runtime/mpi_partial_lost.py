@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from collsync import keepalive
 from collsync.runtime.mpi_windows import Backoff
 from collsync.runtime.mpi_world import RankLost
 
@@ -71,8 +72,8 @@ class LostRanks:
             if self._fetch(self._lost_at + r, int(read[r]), self.MPI.MAX) < 0:
                 print(
                     f"{self._who}: partial allreduce: rank {r} on {self._hosts[r]} is lost (it has not read round "
-                    f"{int(read[r])} for {self.timeout}s, round {round_} waits on it); going on without it "
-                    f"(up to {self.tolerate} lost)",
+                    f"{int(read[r])} for {keepalive.patience(self.timeout)}s, round {round_} waits on it); going on "
+                    f"without it (up to {self.tolerate} lost)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -112,7 +113,7 @@ class LostRanks:
         declared lost if at most `tolerate` are then lost (else `RankLost` names them). Returns the lost ranks: none,
         and the caller may close collectively; some, and the windows are left to the process's exit."""
         self._store(self._left + self.rank, 1)
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        start = time.monotonic()
         backoff = Backoff(cap=0.01)
         while True:
             self._learn_lost()
@@ -120,10 +121,11 @@ class LostRanks:
             missing = [r for r in range(self.size) if not left[r] and r not in self.lost]
             if not missing:
                 return sorted(self.lost)
-            if deadline is not None and time.monotonic() >= deadline:
+            timeout = keepalive.patience(self.timeout)  # shorter once the launcher said that a rank died
+            if timeout is not None and time.monotonic() - start >= timeout:
                 read = self._load_many(self._read, self.size).tolist()
                 if not self._lose(missing, read, self.round):
                     late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in missing)
-                    raise RankLost(f"{self._who}: partial allreduce: {late} never came to the end ({self.timeout}s)")
-                deadline = None if self.timeout is None else time.monotonic() + self.timeout
+                    raise RankLost(f"{self._who}: partial allreduce: {late} never came to the end ({timeout}s)")
+                start = time.monotonic()
             backoff.wait()

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from collsync import keepalive
 from collsync.margin import Margin, check_margin
 from collsync.runtime.mpi_partial_lost import LostRanks
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
@@ -279,14 +280,15 @@ class PartialWindows(LostRanks, Windows):
         """Poll with backoff (ranks share cores) until `probe` answers; after `timeout` s, fail naming the cause."""
         backoff = self._backoff
         backoff.reset()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        start = time.monotonic()
         while True:
             got = probe()
             if got is not None:
                 return got
-            if deadline is not None and time.monotonic() >= deadline:
+            timeout = keepalive.patience(self.timeout)  # shorter once the launcher said that a rank died
+            if timeout is not None and time.monotonic() - start >= timeout:
                 # RankLost (a TimeoutError): uncaught in a collsync.torch script, one line and the job ends.
-                raise RankLost(f"{self._who}: partial allreduce: {describe()} after timeout={self.timeout}s")
+                raise RankLost(f"{self._who}: partial allreduce: {describe()} after timeout={timeout}s")
             backoff.wait()
 
     def _gate(self, round_: int) -> None:

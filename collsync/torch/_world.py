@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from collsync import ending
+from collsync import ending, keepalive
 from collsync.policy import DEADLINE
 from collsync.runtime import startup
 from collsync.runtime.mpi_coll import shutdown as leave_together
@@ -116,6 +116,7 @@ def init(
     backend = _backend(backend, config)
     # An exception that ends the script on one rank ends the job (the others would wait for it until the deadline).
     ending.watch_failures(world, _who, quiet=(RankLost,))
+    keepalive.watch_notice()  # under collsync.keepalive: the launcher's notice that a rank died
     hello(world, deadline)  # bounded: a rank that never arrives is named, not waited for (its host is kept)
     startup.disarm()
     _stall.configure(deadline)  # a collective some workers never call: named at 60 s, the job ended at the deadline

@@ -42,6 +42,11 @@ class Launcher:
 # MPICH's Hydra ends every rank once one dies by a signal, -disable-auto-cleanup or not (README, Lost workers):
 # it keeps the others only when the dead rank's own process exits (a wrapper around it reports 128 + n).
 MPICH = Launcher("mpich", [str(MPIEXEC), "-disable-auto-cleanup"], sys.executable, {})
+# collsync-run under MPICH: for a mode that goes on without a lost worker it starts each rank under
+# collsync.keepalive with -disable-auto-cleanup, and the job keeps the ranks left when one is killed. No restart.
+COLLSYNC_RUN = Launcher(
+    "collsync-run", [sys.executable, "-m", "collsync.supervise", "--max-restarts", "0"], sys.executable, {}
+)
 OPENMPI_RECOVERY = Launcher(
     "openmpi",
     [str(OPENMPI / "mpirun"), "--enable-recovery", "--oversubscribe"],
@@ -62,14 +67,16 @@ def summary(tmp_path: Path) -> dict:
 
 
 def rank_pids(marker: str, rank: int) -> list[int]:
-    """Processes whose command line holds `marker` and whose launcher made them rank `rank`."""
+    """Processes whose command line holds `marker` and whose launcher made them rank `rank` (the rank's own, not
+    the `collsync.keepalive` shim it may run under: killing a rank is killing what runs under it)."""
     want = {var + b"=" + str(rank).encode() for var in RANK_VARS}
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
+            line = (entry / "cmdline").read_bytes().decode(errors="replace")
+            if marker not in line or "collsync.keepalive" in line:
                 continue
             if want & set((entry / "environ").read_bytes().split(b"\0")):
                 pids.append(int(entry.name))

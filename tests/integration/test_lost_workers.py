@@ -4,7 +4,8 @@ and the trace's invariants hold (no update applied twice, no gradient of a lost 
 
 A killed rank needs a launcher that keeps the others: Open MPI's `mpirun --enable-recovery`. MPICH's mpiexec ends
 every rank once one dies by a signal, `-disable-auto-cleanup` or not (README, Lost workers); there the workers are
-stopped instead, which the same code sees the same way."""
+stopped instead, which the same code sees the same way (a rank run under `collsync.keepalive` is the exception:
+test_keepalive.py)."""
 
 from __future__ import annotations
 
