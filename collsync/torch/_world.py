@@ -114,9 +114,7 @@ def init(
     world = _world_comm(MPI, comm)
     servers = _servers(servers, config, world.Get_size())
     backend = _backend(backend, config)
-    # An exception that ends the script on one rank ends the job (the others would wait for it until the deadline).
-    ending.watch_failures(world, _who, quiet=(RankLost,))
-    keepalive.watch_notice()  # under collsync.keepalive: the launcher's notice that a rank died
+    _watch(world)
     hello(world, deadline)  # bounded: a rank that never arrives is named, not waited for (its host is kept)
     startup.disarm()
     _stall.configure(deadline)  # a collective some workers never call: named at 60 s, the job ended at the deadline
@@ -149,6 +147,14 @@ def init(
 
         horovod_init(comm_w)
     ending.at_exit(shutdown)
+
+
+def _watch(world: MPI.Comm) -> None:
+    """What ends or warns this rank from outside its script: an exception that ends the script on one rank ends the
+    job (the others would wait for it until the deadline); under collsync.keepalive, the launcher's notice that a
+    rank died."""
+    ending.watch_failures(world, _who, quiet=(RankLost,))
+    keepalive.watch_notice()
 
 
 def _serve(st: World) -> None:

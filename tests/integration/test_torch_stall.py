@@ -1,7 +1,7 @@
 """Horovod's stall check through `collsync.torch`: a collective that worker 1 of 3 never calls is named, with the
 worker missing, after HOROVOD_STALL_CHECK_TIME_SECONDS, and the job ends after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
-(one line naming it again; the abort's status), whether worker 1 computes meanwhile (it answers nothing) or waits in another
-collective (it says the last collective it called). Once at short times, once at Horovod's default of 60 s."""
+(one line naming it again; the abort's status), whether worker 1 computes meanwhile (it answers nothing) or waits in
+another collective (it says the last collective it called). Once at short times, once at Horovod's default, 60 s."""
 
 from __future__ import annotations
 
