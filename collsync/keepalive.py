@@ -78,6 +78,8 @@ def run(command: Sequence[str]) -> int:
             signum = NOTICE_SIGNAL
         try:
             os.killpg(child, signum)  # the child's whole group: an `mpi4py` rank's helpers with it
+            if signum in PASSED_ON:
+                os.killpg(child, signal.SIGCONT)  # a stopped child acts on it too (one that never started, say)
         except ProcessLookupError:
             pass  # it just ended: the SIGCHLD that follows says how
 

@@ -61,6 +61,8 @@ from collsync.supervise_target import survives, target
 PROG = "collsync-run"
 SUMMARY = "summary.json"  # the run folder's summary (collsync.rundir); named here so no torch loads for it
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # what collsync turns into "checkpoint and stop"
+NOT_STARTED = b"start-up: MPI's start-up (MPI_Init) did not complete"
+START_GRACE_S, END_GRACE_S = 2.0, 30.0  # NOT_STARTED (collsync.runtime.startup's line) ends a kept attempt
 TAIL_BYTES = 64 * 1024  # how much of the job's output is kept to read the lost ranks from
 
 # Lines that name a lost rank: collsync's own (the start-up roll call, a server waiting on a worker, a worker
@@ -198,10 +200,12 @@ class Job:
     """One attempt: the launcher in a session of its own (a terminal's Ctrl-C reaches it once, through the
     supervisor, not twice), its output passed through as it comes, the last `TAIL_BYTES` of it kept."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, keep: bool = False) -> None:
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env
         )
+        self.keep = keep  # the ranks run under collsync.keepalive: the launcher ends nothing by itself
+        self.ending = False
         self.tail = bytearray()
         self.lock = threading.Lock()
         assert self.proc.stdout is not None and self.proc.stderr is not None
@@ -219,6 +223,19 @@ class Job:
             with self.lock:
                 self.tail += chunk
                 del self.tail[:-TAIL_BYTES]
+            if self.keep and not self.ending and NOT_STARTED in chunk:
+                self.ending = True
+                threading.Thread(target=self._end, daemon=True).start()
+
+    def _end(self) -> None:
+        """A rank never started: under collsync.keepalive the launcher would wait for it, so it is told to end (each
+        shim passes SIGTERM on, waking a stopped rank for it), and killed past the grace."""
+        time.sleep(START_GRACE_S)  # the other ranks' lines first
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=END_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
 
     def signal(self, signum: int) -> None:
         if self.proc.poll() is None:
@@ -294,7 +311,7 @@ def supervise(
     while True:
         started = time.time()
         keep = survives(args)
-        job = Job(launch_command(launcher, ranks, args, keep=keep), goal.env)
+        job = Job(launch_command(launcher, ranks, args, keep=keep), goal.env, keep=keep)
         if asked:
             job.signal(passed(asked[-1], keep))  # a signal that came while the launcher started
         code, output = job.wait()

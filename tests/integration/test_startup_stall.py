@@ -122,12 +122,15 @@ def test_under_open_mpi_the_job_ends_within_the_deadline(tmp_path):
     assert not run.exists()
 
 
-def test_collsync_run_relaunches_on_the_ranks_left(tmp_path):
+@pytest.mark.parametrize("sync", ["bsp", "async"])
+def test_collsync_run_relaunches_on_the_ranks_left(tmp_path, sync):
     """Rank 3 of 4 never starts: the first attempt ends at the deadline, `collsync-run` reads one rank lost and runs
-    the job again on 3 ranks (no rank 3 to stop there), which finishes."""
+    the job again on 3 ranks (no rank 3 to stop there), which finishes. async runs under collsync.keepalive with
+    `-disable-auto-cleanup` (a mode that goes on without a lost worker), where the launcher would wait for the
+    stopped rank for ever: collsync-run ends that attempt itself once a rank says its start-up failed."""
     run = tmp_path / "run"
     job = [sys.executable, "-m", "mpi4py", "-m", "collsync.cli", f"hydra.run.dir={run}", "progress=false"]
-    job += ["steps=20", "optimizer=sgd", "sync=bsp", f"sync.deadline={DEADLINE}"]
+    job += ["steps=20", "optimizer=sgd", f"sync={sync}", f"sync.deadline={DEADLINE}"]
     args = [sys.executable, "-m", "collsync.supervise", "-n", "4", "--max-restarts", "1", "--", *job]
     env = {**os.environ, STALL_ENV: "3", STALL_PID_ENV: str(tmp_path / "stalled"), "COLLSYNC_PLOTS": "false"}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
