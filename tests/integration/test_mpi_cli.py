@@ -211,9 +211,9 @@ def _bar_count(err: list[str]) -> int:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["sync=async", "optimizer=sgd", "steps=600"],
-        ["sync=backup", "sync.backups=1", "steps=600"],
-        ["sync=ssp", "sync.timeout=0.01", "optimizer=sgd", "steps=600"],
+        ["sync=async", "optimizer=sgd", "steps=3000"],
+        ["sync=backup", "sync.backups=1", "steps=3000"],
+        ["sync=ssp", "sync.timeout=0.01", "optimizer=sgd", "steps=3000"],
     ],
     ids=["async", "backup", "ssp-timeout"],
 )
