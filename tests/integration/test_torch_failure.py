@@ -37,9 +37,6 @@ def test_an_exception_on_one_rank_ends_the_job(sync):
     assert line.startswith("collsync: worker 1 (rank ") and "RuntimeError: worker 1 fails at step 5" in line, line
 
 
-EXIT_SCRIPT = Path(__file__).parents[1] / "scripts" / "torch_exit.py"
-
-
 @pytest.mark.parametrize(
     ("sync", "how", "mpi4py"),
     [("bsp", "exit", False), ("bsp", "raise", True), ("backup", "exit", True), ("async", "exit", True)],
@@ -48,7 +45,8 @@ def test_a_nonzero_sys_exit_on_one_rank_ends_the_job_with_its_status(sync, how, 
     """Worker 1 calls `sys.exit(3)` (or, under `python -m mpi4py`, whose runner sees it, `raise SystemExit(3)`) at
     step 5 of 400: the job ends with status 3 and one line naming the rank, at the default deadline (before, the
     exiting rank's `shutdown` waited up to the deadline for the others, waiting in a collective for it)."""
-    args = [str(MPIEXEC), "-n", "4", sys.executable, *(["-m", "mpi4py"] if mpi4py else []), str(EXIT_SCRIPT), sync, how]
+    runner = ["-m", "mpi4py"] if mpi4py else []
+    args = [str(MPIEXEC), "-n", "4", sys.executable, *runner, str(SCRIPT), sync, "1", "5", how]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=GUARD_S)
     assert proc.returncode == 3, proc.stderr[-3000:]
     line = next((x for x in proc.stderr.splitlines() if "ending the job" in x), "")
