@@ -8,6 +8,7 @@ The bound each run is given (`timeout`) is only a guard against that hang: ten t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,4 +67,5 @@ def test_without_the_failure_every_worker_finishes():
     args = [str(MPIEXEC), "-n", "2", sys.executable, str(SCRIPT), "bsp", "-1"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.split("\n")[:2]) == ["done 0", "done 1"]
+    # The launcher may interleave two ranks' lines ("done 1done 0\n\n"): match the words, not the lines.
+    assert sorted(re.findall(r"done \d", proc.stdout)) == ["done 0", "done 1"], proc.stdout
