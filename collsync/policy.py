@@ -83,17 +83,19 @@ class SyncPolicy:
 
     def __post_init__(self) -> None:
         if self.backups < 0:
-            raise ValueError(f"{self.name}: {self.backups=} must be >= 0")
+            raise ValueError(f"{self.name}: backups={self.backups} must be >= 0")
         if self.quorum is not None and self.quorum < 1:
-            raise ValueError(f"{self.name}: {self.quorum=} must be >= 1")
+            raise ValueError(f"{self.name}: quorum={self.quorum} must be >= 1")
         if self.max_lead is not None and self.max_lead < 0:
-            raise ValueError(f"{self.name}: {self.max_lead=} must be >= 0")
+            raise ValueError(f"{self.name}: max_lead={self.max_lead} must be >= 0")
         if not self.rounds and self.max_lead is not None:
-            raise ValueError(f"{self.name}: a stream policy has no rounds to lead by; got {self.max_lead=}")
+            raise ValueError(f"{self.name}: a stream policy has no rounds to lead by; got max_lead={self.max_lead}")
         if self.rounds and self.max_lead is None:
             raise ValueError(f"{self.name}: a round policy needs max_lead >= 0")
         if self.rounds and self.max_lead and self.backups:
-            raise ValueError(f"{self.name}: SSP (max_lead={self.max_lead}) cannot drop backups ({self.backups=})")
+            raise ValueError(
+                f"{self.name}: SSP (max_lead={self.max_lead}) cannot drop backups (backups={self.backups})"
+            )
         for key in ("pull_fraction", "push_fraction"):
             value = getattr(self, key)
             if value is not None and not 0.0 < value <= 1.0:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from collsync.runtime.mpi_coll import shutdown
-from collsync.torch import _stall
+from collsync.torch import _inputs, _stall
 from collsync.torch._ops_base import (
     ALLGATHER,
     BROADCAST,
@@ -73,6 +73,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     """The workers' tensors concatenated along dimension 0, in rank order (autograd passes through, as in Horovod's
     `HorovodAllgather`: the gradient is the average of the output's gradients over the workers, sliced to this
     worker's rows)."""
+    _check(tensor, "allgather")  # before autograd's Function, which would fail on tensor.dim()
     return _AllgatherFn.apply(process_set, tensor)[0]
 
 
@@ -81,13 +82,15 @@ def grouped_allgather_async(
 ) -> int:
     """Start allgathers of several tensors as one operation; `synchronize` returns the list of outputs."""
     _unnamed(name, "grouped_allgather_async")
-    return _register(_gather_start(list(tensors), process_set, "grouped_allgather"), name)
+    tensors = _inputs.tensors(tensors, "grouped_allgather_async")
+    return _register(_gather_start(tensors, process_set, "grouped_allgather"), name)
 
 
 def grouped_allgather(
     tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
 ) -> list[torch.Tensor]:
     """`allgather` of each tensor, as one operation (Horovod's `grouped_allgather`, autograd included)."""
+    tensors = _inputs.tensors(tensors, "grouped_allgather")
     return list(_AllgatherFn.apply(process_set, *tensors))
 
 
@@ -141,6 +144,7 @@ def broadcast_async_(
 def broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> int:
+    _check(tensor, "broadcast_async")
     return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
 
 
@@ -155,6 +159,7 @@ def broadcast(
 ) -> torch.Tensor:
     """`tensor` of worker `root_rank`, as a new tensor on every worker (autograd passes through, as in Horovod's
     `HorovodBroadcast`: the root's gradient is the average of the workers' gradients, the others' zero)."""
+    _check(tensor, "broadcast")  # before autograd's Function, which would fail on tensor.detach()
     return _BroadcastFn.apply(tensor, root_rank, process_set)
 
 
@@ -195,18 +200,9 @@ def barrier(process_set: Any = global_process_set) -> None:
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Broadcast a model's `state_dict()`, or `named_parameters()`, from worker `root_rank`, in place."""
-    if isinstance(params, dict):
-        items = sorted(params.items())
-    elif isinstance(params, list | tuple) or hasattr(params, "__iter__"):
-        items = list(params)
-        if items and not isinstance(items[0], tuple):
-            items = list(enumerate(items))
-    else:
-        raise ValueError(f"broadcast_parameters: invalid params of type {type(params).__name__}")
     handles = []
-    for _, p in items:
-        if isinstance(p, torch.Tensor):
-            handles.append(broadcast_async_(p, root_rank))
+    for _, p in _inputs.state_items(params):
+        handles.append(broadcast_async_(p, root_rank))
     for h in handles:
         synchronize(h)
 
@@ -218,6 +214,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     and for SGD on a sparse embedding of `model`), so that its state exists on every worker with the root's shapes;
     the parameters that require a gradient are left with zero gradients. LBFGS is refused, as in Horovod. In
     collsync's parameter-server modes the optimizer's own state is not used, and that step is not taken."""
+    _inputs.optimizer(optimizer, "broadcast_optimizer_state")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     if not optimizer.state_dict()["state"] and not _served(optimizer):

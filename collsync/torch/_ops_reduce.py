@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from collsync.torch import _inputs
 from collsync.torch._ops_base import (
     Average,
     Compression,
@@ -143,6 +144,7 @@ def allreduce_async(
     """Start an allreduce into a new tensor; `synchronize(handle)` returns it."""
     op = _op(op, average, "allreduce_async")
     _unnamed(name, "allreduce_async")
+    _check(tensor, "allreduce_async")
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _register(
         _allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set),
@@ -179,6 +181,7 @@ def allreduce(
     the gradient of an allreduce is the allreduce of the gradient, as in Horovod)."""
     op = _op(op, average, "allreduce")
     _check(tensor, "allreduce")  # before autograd's Function, which would fail on tensor.detach()
+    _inputs.compression(compression, "allreduce")
     return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set)
 
 
@@ -215,7 +218,7 @@ def grouped_allreduce_async_(
     """Start in-place allreduces of several tensors as one operation; `synchronize` returns the list."""
     op = _op(op, average, "grouped_allreduce_async_")
     _unnamed(name, "grouped_allreduce_async_")
-    tensors = list(tensors)
+    tensors = _inputs.tensors(tensors, "grouped_allreduce_async_")
     return _register(
         _allreduce_many(
             tensors, tensors, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set
@@ -233,6 +236,7 @@ def grouped_allreduce_async(
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
 ) -> int:
+    tensors = _inputs.tensors(tensors, "grouped_allreduce_async")
     copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
     return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -246,6 +250,7 @@ def grouped_allreduce_(
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
 ) -> list[torch.Tensor]:
+    tensors = _inputs.tensors(tensors, "grouped_allreduce_")
     return synchronize(
         grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     )
@@ -264,6 +269,8 @@ def grouped_allreduce(
     """Allreduce several tensors at once; new tensors come back, in order (autograd passes through, as for
     `allreduce`: Horovod's `HorovodGroupedAllreduce`)."""
     op = _op(op, average, "grouped_allreduce")
+    tensors = _inputs.tensors(tensors, "grouped_allreduce")
+    _inputs.compression(compression, "grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduceFn.apply(op, prescale_factor, postscale_factor, process_set, *[p[0] for p in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from collsync.torch import _inputs
 from collsync.torch._ops_base import (
     Adasum,
     Average,
@@ -190,7 +191,8 @@ def grouped_reducescatter_async(
     """Start reducescatters of several tensors as one operation; `synchronize` returns the list of parts."""
     op = _op(op, None, "grouped_reducescatter")
     what = "grouped_reducescatter"
-    return _register(_reducescatter_start(list(tensors), op, process_set, prescale_factor, postscale_factor, what))
+    tensors = _inputs.tensors(tensors, what)
+    return _register(_reducescatter_start(tensors, op, process_set, prescale_factor, postscale_factor, what))
 
 
 def reducescatter(
@@ -221,6 +223,7 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     """`reducescatter` of each tensor, as one operation (Horovod's `grouped_reducescatter`, autograd included)."""
+    tensors = _inputs.tensors(tensors, "grouped_reducescatter")
     pairs = [compression.compress(t) for t in tensors]
     outs = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, *[p[0] for p in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]

@@ -9,6 +9,7 @@ workers, `rank()` is 0..size()-1. Without servers, every rank is a worker, as un
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ def init(
     global _STATE
     if process_sets is not None:
         raise NotImplementedError("collsync.torch.init: process sets are not supported (process_sets=...)")
+    _check_args(servers, deadline)
     config = sync_config(sync) if sync is not None else None
     asked = {"sync": config, "servers": servers, "backend": backend, "deadline": deadline}
     if deadline is None:
@@ -149,6 +151,19 @@ def init(
     ending.at_exit(shutdown)
 
 
+def _check_args(servers: Any, deadline: Any) -> None:
+    """`init`'s numbers, typed at the entry: past it a string would fail inside a comparison or a timer's
+    arithmetic with a message that names neither `init` nor the argument."""
+    if servers is not None and (isinstance(servers, bool) or not isinstance(servers, int)):
+        raise TypeError(f"collsync.torch.init: servers={servers!r} is not a whole number; pass an int >= 0")
+    if deadline is None:
+        return
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline < math.inf:
+        raise ValueError(
+            f"collsync.torch.init: deadline={deadline!r} must be a number of seconds > 0 (None: wait for ever)"
+        )
+
+
 def _watch(world: MPI.Comm) -> None:
     """What ends or warns this rank from outside its script: an exception that ends the script on one rank ends the
     job (the others would wait for it until the deadline); under collsync.keepalive, the launcher's notice that a
@@ -190,6 +205,11 @@ def _shown(value: Any) -> str:
 def _world_comm(MPI: Any, comm: Any) -> Any:  # noqa: N803 - the module's own name
     """The communicator `init(comm=...)` runs on: COMM_WORLD, a communicator, or a group of COMM_WORLD's ranks."""
     world = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(world, MPI.Intracomm | list | tuple):
+        raise TypeError(
+            f"collsync.torch.init: comm={comm!r} is not an mpi4py communicator; pass an MPI.Intracomm, a list of "
+            "ranks of MPI.COMM_WORLD, or nothing (COMM_WORLD)"
+        )
     if isinstance(world, (list, tuple)):
         group = MPI.COMM_WORLD.Get_group().Incl(list(world))
         world = MPI.COMM_WORLD.Create_group(group)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from collsync.torch import ops
+from collsync.torch import _inputs, ops
 from collsync.torch._allreduce import AllreduceMode
 from collsync.torch._local_mode import LocalMode
 from collsync.torch._mode import Mode
@@ -52,18 +52,10 @@ from collsync.torch.config import SyncConfig, sync_config
 
 def _params(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[torch.Tensor]:
     """The optimizer's trainable parameters; `named_parameters`, when given, must cover them (as Horovod checks)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):  # a model (or its parameters) passed where it goes
-        raise TypeError(
-            f"DistributedOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; pass the "
-            "optimizer built on the model's parameters, e.g. DistributedOptimizer(torch.optim.SGD(model.parameters(), "
-            "lr=0.01), named_parameters=model.named_parameters())"
-        )
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if named_parameters is None:
         return params
     named = list(named_parameters)
-    if any(not isinstance(n, tuple) for n in named):
-        raise ValueError("DistributedOptimizer: named_parameters should be a sequence of (name, parameter) tuples")
     dups = sorted(str(n) for n, k in Counter(n for n, _ in named).items() if k > 1)
     if dups:  # Horovod names its reductions by parameter name, so it refuses duplicates; so does collsync
         raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
@@ -220,13 +212,16 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             `sparse_as_dense`.
     """
     st = state("DistributedOptimizer")
+    _inputs.optimizer(optimizer, "DistributedOptimizer")  # a model passed for it: named before anything reads it
+    _inputs.optimizer_args(backward_passes_per_step, gradient_predivide_factor)
+    _inputs.compression(compression, "DistributedOptimizer")
     op = _checked_op(op, gradient_predivide_factor, backward_passes_per_step, optimizer)
     on = set_world(st, process_set, "DistributedOptimizer")
     if sync is None:
         sync = st.sync if st.sync is not None else "bsp"
     config = sync_config(sync, **sync_options)
-    if named_parameters is not None and not isinstance(named_parameters, list):
-        named_parameters = list(named_parameters)  # read twice below (a model's named_parameters() is a generator)
+    if named_parameters is not None:  # a list: read twice below (a model's named_parameters() is a generator)
+        named_parameters = _inputs.named_parameters(named_parameters)
     params = _params(optimizer, named_parameters)
     if not params:
         raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires a gradient")

@@ -14,6 +14,7 @@ import torch
 
 from collsync.runtime.mpi_coll import shutdown
 from collsync.runtime.mpi_partial import PartialAllreduce
+from collsync.torch._ops_base import _check
 from collsync.torch._world import state
 
 _OPEN: dict[tuple[int, torch.dtype], list[Any]] = {}
@@ -38,6 +39,7 @@ def partial_allreduce(
         TimeoutError: with `timeout`, a round that did not complete in time (naming what it waited for).
     """
     st = state("partial_allreduce")
+    _check(tensor, "partial_allreduce")
     n = st.comm.Get_size()
     if not 1 <= quorum <= n:
         raise ValueError(f"partial_allreduce: quorum={quorum} must be in 1..{n} (the workers)")
