@@ -12,8 +12,10 @@ stamps in their folder names; runs whose overrides differ only in `seed=` form a
 runs; the two never share an axis or a column without their unit.
 
 A sweep member that left no run (a folder Hydra made for the job, with no trace.jsonl: it failed on a bad input or
-was killed before writing its run folder) is named on stderr, one line each, after the report of the others, and
-the exit status is then 1 (0 when every member is in the report).
+was killed before writing its run folder), or an unfinished one (killed while writing it: a trace.jsonl that is
+empty or ends inside a line, or no summary.json beside it; `runfiles.cut_short`), is named on stderr, one line each,
+after the report of the others, and the exit status is then 1 (0 when every member is in the report). A single run
+named alone is read as it is: a trace cut off there is an error naming its line (exit status 2).
 
 Every folder the command will write is probed first (`collsync.rundir.probe`, as `collsync-train` probes its run
 folder): one that is read-only, full or under a regular file stops it with one line and exit status 2, before
@@ -36,6 +38,7 @@ from collsync.rundir import RunFolderError, describe, probe
 from collsync.runfiles import (
     ReportError,
     Run,
+    cut_short,
     find_runs,
     kept_summary_keys,
     missing_runs,
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ReportError(f"--choose-backups takes one run folder, got {len(args.paths)} paths")
             print(choose_backups(args.paths[0]))
             return 0
-        runs = [read_run(p) for p in find_runs(args.paths)]
+        runs, cut = _read_runs(find_runs(args.paths))
         common = label_runs(runs)
         each, where = _outputs(args, runs)
         _probe_outputs([*each, where])
@@ -307,21 +310,41 @@ def main(argv: list[str] | None = None) -> int:
         paths = compare(runs, where, common)
         print(f"\n== comparison of {len(runs)} runs  ->  {where}")
         print(paths["table"].read_text(), end="")
-    return _name_missing(args.paths)
+    return _name_missing(args.paths, cut)
 
 
-def _name_missing(paths: Sequence[Path]) -> int:
-    """Name each sweep member that left no run (one line on stderr) and return the exit status: 1 when one did (the
-    report of the others is written all the same), else 0."""
+def _read_runs(found: Sequence[Path]) -> tuple[list[Run], dict[Path, str]]:
+    """The runs to report, and the sweep members a crash left unfinished (`runfiles.cut_short`), with why: set aside
+    in a comparison, so that the others are still reported (a single run named alone is read, and refused, as is)."""
+    cut = {p: why for p in found if len(found) > 1 and (why := cut_short(p)) is not None}
+    if cut and len(cut) == len(found):
+        first = next(iter(cut.items()))
+        raise ReportError(f"no finished run to report: every one was cut short ({first[0]}: {first[1]})")
+    return [read_run(p) for p in found if p not in cut], cut
+
+
+def _name_missing(paths: Sequence[Path], cut: dict[Path, str]) -> int:
+    """Name each sweep member that left no run or an unfinished one (one line each on stderr) and return the exit
+    status: 1 when one did (the report of the others is written all the same), else 0."""
     missing = missing_runs(paths)
     for folder in missing:
-        said = " ".join(read_overrides(folder) or []) or "no overrides"
         print(
-            f"{PROG}: warning: {folder} ({said}) has no trace.jsonl: the run failed or was killed before writing "
-            f"its run folder (its collsync.log says why); left out of the report",
+            f"{PROG}: warning: {folder} ({_said(folder)}) has no trace.jsonl: the run failed or was killed before "
+            f"writing its run folder (its collsync.log says why); left out of the report",
             file=sys.stderr,
         )
-    return 1 if missing else 0
+    for folder, why in cut.items():
+        print(
+            f"{PROG}: warning: {folder} ({_said(folder)}) is unfinished: {why} (the run was killed while writing "
+            "its run folder); left out of the report",
+            file=sys.stderr,
+        )
+    return 1 if missing or cut else 0
+
+
+def _said(folder: Path) -> str:
+    """A sweep member as its warning names it: by the overrides that made it."""
+    return " ".join(read_overrides(folder) or []) or "no overrides"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ for the trainer's run folder and `collsync-report`), and for `collsync-report` t
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,31 @@ def missing_runs(paths: Sequence[Path]) -> list[Path]:
             walk(path)
     unique = {p.resolve(): p for p in found}
     return sorted(unique.values(), key=lambda p: _natural(p.resolve()))
+
+
+def cut_short(run: Path) -> str | None:
+    """Why a sweep member's run folder was left unfinished by a crash, or None. The trainer writes trace.jsonl,
+    then params.pt, then summary.json (`rundir.write_run`), so a member killed meanwhile leaves a trace that is empty
+    or ends inside a line, or one with no summary.json beside it. Only folders Hydra made for a job (holding
+    .hydra/) count: a comparison leaves such a member out and names it, as it names a member that left no run."""
+    trace = run / "trace.jsonl"
+    if not (run / ".hydra").is_dir() or not trace.is_file():
+        return None
+    try:
+        with trace.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - 1, 0))
+            last = f.read(1)
+    except OSError:
+        return None  # read_run names it
+    if not size:
+        return "its trace.jsonl is empty"
+    if last != b"\n":
+        lines = trace.read_bytes().count(b"\n")
+        return f"its trace.jsonl ends inside line {lines + 1}"
+    if not (run / "summary.json").is_file():
+        return "it has a trace.jsonl but no summary.json"
+    return None
 
 
 def read_overrides(run: Path) -> list[str] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -331,3 +332,36 @@ def test_report_probes_every_folder_it_writes_before_writing(tmp_path, capsys):
     # A folder that can be written is left as it was: the probe's file is gone.
     assert main([str(root / "0"), "--out", str(tmp_path / "ok")]) == 0
     assert not [p for p in (tmp_path / "ok").iterdir() if p.name.startswith(".write-probe")]
+
+
+def test_a_sweep_member_a_crash_left_unfinished_is_named_and_left_out(tmp_path, capsys):
+    """Issue 36, item 11: a member killed while writing its run folder (a trace.jsonl that ends inside a line, is
+    empty, or has no summary.json beside it: the trainer writes the trace first, the summary last) is named in one
+    line and left out, the others are compared, and the exit status is 1; before, a cut trace refused the whole
+    report and a missing summary made a group of its own ("clock unknown") without a word."""
+    root = sweep(tmp_path / "sweep", syncs=("bsp", "async"), seeds=(0, 1))  # jobs 0-1 bsp, 2-3 async
+    text = (root / "1" / "trace.jsonl").read_text()
+    (root / "1" / "trace.jsonl").write_text(text[: text.index("\n", 200) + 30])  # cut inside a line
+    (root / "3" / "summary.json").unlink()
+    run_folder(root / "4", Trace(clock=lambda: 0.0), ["sync=ssp", "seed=0", "steps=3"])  # empty: killed at once
+    assert main([str(root)]) == 1
+    captured = capsys.readouterr()
+    warned = captured.err.splitlines()
+    lines = text[: text.index("\n", 200) + 30].count("\n") + 1
+    assert warned == [
+        f"collsync-report: warning: {root / '1'} (sync=bsp seed=1 steps=3) is unfinished: its trace.jsonl ends "
+        f"inside line {lines} (the run was killed while writing its run folder); left out of the report",
+        f"collsync-report: warning: {root / '3'} (sync=async seed=1 steps=3) is unfinished: it has a trace.jsonl "
+        "but no summary.json (the run was killed while writing its run folder); left out of the report",
+        f"collsync-report: warning: {root / '4'} (sync=ssp seed=0 steps=3) is unfinished: its trace.jsonl is empty "
+        "(the run was killed while writing its run folder); left out of the report",
+    ]
+    with open(root / "report" / "runs.csv", newline="") as f:
+        assert [r["label"] for r in csv.DictReader(f)] == ["sync=bsp", "sync=async"]
+    # Named alone, the cut run is read as it is: its line named, exit status 2.
+    assert main([str(root / "1")]) == 2
+    assert f"line {lines} is not a JSON event (cut off" in capsys.readouterr().err
+    for job in ("0", "2"):
+        shutil.rmtree(root / job)
+    assert main([str(root)]) == 2
+    assert "no finished run to report: every one was cut short" in capsys.readouterr().err
