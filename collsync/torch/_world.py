@@ -95,14 +95,14 @@ def init(
             600; None: for ever). A rank that does not arrive in time is named in one line and the job ends.
 
     Raises:
-        ValueError: bad values (the world too small for the servers, an unknown backend).
+        ValueError: bad values (the world too small for the servers, an unknown backend, a deadline not > 0), or
+            a second call asking for another sync, servers, backend or deadline (the same again, or none: a no-op).
+        TypeError: `servers` or `comm` of the wrong type.
         RankLost: a rank did not arrive within `deadline` (uncaught: one line, and the job is aborted).
         NotImplementedError: process sets.
     """
     global _STATE
-    if process_sets is not None:
-        raise NotImplementedError("collsync.torch.init: process sets are not supported (process_sets=...)")
-    _check_args(servers, deadline)
+    _check_args(comm, process_sets, servers, deadline)
     config = sync_config(sync) if sync is not None else None
     asked = {"sync": config, "servers": servers, "backend": backend, "deadline": deadline}
     if deadline is None:
@@ -151,9 +151,17 @@ def init(
     ending.at_exit(shutdown)
 
 
-def _check_args(servers: Any, deadline: Any) -> None:
-    """`init`'s numbers, typed at the entry: past it a string would fail inside a comparison or a timer's
-    arithmetic with a message that names neither `init` nor the argument."""
+def _check_args(comm: Any, process_sets: Any, servers: Any, deadline: Any) -> None:
+    """`init`'s arguments, typed at the entry (before MPI starts): past it a string would fail inside a comparison
+    or a timer's arithmetic, and a number given for `comm` inside MPI, with a message that names neither `init` nor
+    the argument."""
+    if process_sets is not None:
+        raise NotImplementedError("collsync.torch.init: process sets are not supported (process_sets=...)")
+    if not (comm is None or isinstance(comm, list | tuple) or callable(getattr(comm, "Split_type", None))):
+        raise TypeError(
+            f"collsync.torch.init: comm={comm!r} is not an mpi4py communicator; pass an MPI.Intracomm, a list of "
+            "ranks of MPI.COMM_WORLD, or nothing (COMM_WORLD)"
+        )
     if servers is not None and (isinstance(servers, bool) or not isinstance(servers, int)):
         raise TypeError(f"collsync.torch.init: servers={servers!r} is not a whole number; pass an int >= 0")
     if deadline is None:
@@ -205,11 +213,6 @@ def _shown(value: Any) -> str:
 def _world_comm(MPI: Any, comm: Any) -> Any:  # noqa: N803 - the module's own name
     """The communicator `init(comm=...)` runs on: COMM_WORLD, a communicator, or a group of COMM_WORLD's ranks."""
     world = MPI.COMM_WORLD if comm is None else comm
-    if not isinstance(world, MPI.Intracomm | list | tuple):
-        raise TypeError(
-            f"collsync.torch.init: comm={comm!r} is not an mpi4py communicator; pass an MPI.Intracomm, a list of "
-            "ranks of MPI.COMM_WORLD, or nothing (COMM_WORLD)"
-        )
     if isinstance(world, (list, tuple)):
         group = MPI.COMM_WORLD.Get_group().Incl(list(world))
         world = MPI.COMM_WORLD.Create_group(group)

@@ -135,7 +135,9 @@ def test_the_optimizer_wrappers_other_arguments_are_named():
         wrap(sync="backup", backups=-1)
 
 
-def test_inits_numbers_are_typed_before_they_are_compared():
+def test_inits_arguments_are_typed_before_they_are_compared():
+    with pytest.raises(TypeError, match=r"^collsync.torch.init: comm=5 is not an mpi4py communicator; pass an MPI"):
+        hvd.init(comm=5)
     with pytest.raises(TypeError, match=r"^collsync.torch.init: servers='1' is not a whole number; pass an int >= 0$"):
         hvd.init(servers="1")
     for deadline in (-1, 0, float("inf"), "60"):
