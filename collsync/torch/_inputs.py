@@ -3,7 +3,7 @@ naming the call, what it got and what it takes.
 
 Why at the entry: past it the value reaches torch, MPI or Horovod's own code, whose errors name neither the call nor
 the fix (`'list' object has no attribute 'detach'`, `'Sequential' object has no attribute 'param_groups'`), or does
-something other than what was asked without a word (`broadcast_parameters(model)` broadcast nothing). And every
+something other than what was asked without a word (`broadcast_parameters(model)` would broadcast nothing). And every
 check here looks at this rank's arguments only, before the call waits for any other rank: a script passing the same
 wrong value on every rank gets the same error on every rank, and none of them is left waiting in a collective.
 """
@@ -91,8 +91,8 @@ def named_parameters(value: Any) -> list[Any]:
 
 def state_items(params: Any, what: str = "broadcast_parameters") -> list[tuple[Any, torch.Tensor]]:
     """`broadcast_parameters`' input as (name, tensor) pairs: a `state_dict()`, `named_parameters()` or a list of
-    tensors. A model is refused (iterating a `Sequential` yields its layers, which hold no tensor to broadcast, so
-    it used to broadcast nothing), and so is any value that is not a tensor (Horovod fails on one too)."""
+    tensors. A model is refused (iterating a `Sequential` yields its layers, which are no tensors: it would
+    broadcast nothing without a word), and so is any value that is not a tensor (Horovod fails on one too)."""
     if isinstance(params, torch.nn.Module):
         raise TypeError(
             f"{what}: expected a model's state_dict() or named_parameters(), got a model ({type(params).__name__}); "
