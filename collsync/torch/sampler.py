@@ -38,6 +38,7 @@ out). This needs the sampler's `batch_size` (that of its DataLoader) and a DataL
 when asked (`num_workers=0`): one fetching ahead (found at its second batch) gets torch's shards, and a worker late
 for a round then skips the batches of the rounds it caught up on (`skip`, `skippable`: whole batches not yet handed
 out), as with `backward_passes_per_step` > 1 or `catch_up=False`; their samples are then left out of the epoch.
+While it follows the ledger, `state_dict()` keeps the epoch but not the position in it (a resume starts the epoch).
 """
 
 from __future__ import annotations
