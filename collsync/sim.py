@@ -16,7 +16,8 @@ taking its whole compute time again. Naive waiting defers every start after a pu
 Backup rounds (`sync=backup`) are modelled as `collsync.rounds` runs them between real ranks, with the same keys:
 a `margin` lets a round take every gradient within that many model seconds of its quorum-th (`Server.wait_after_
 quorum`; "auto": `margin.Margin` fed by `margin.RoundTimes` on this clock), and `catch_up` has a late worker
-compute the batch of the round it joins (its batch index is its round, as the partial allreduce's is).
+join the current round, each worker computing the batch `ledger.Ledger` hands it (a dropped gradient's batch goes
+to a worker in time); compute times are drawn for the worker and its batch's index, as `runs.delays.injected` does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from collsync.ledger import Ledger
 from collsync.loops import GradFn, Worker
 from collsync.margin import Margin, RoundTimes, check_margin
 from collsync.policy import SyncPolicy
@@ -64,13 +66,11 @@ class Simulator:
         if workers < 1:
             raise ValueError(f"runtime: {workers=} must be >= 1")
         check_margin(margin)
-        self.workers = workers
-        self.seed = seed
-        # Backup rounds (`policy.backups`), as `collsync.rounds` runs them between real ranks: a round takes every
-        # gradient within `margin` of its quorum-th (model seconds; "auto": `Margin` on this clock; None: exactly
-        # the quorum), and a late worker with `catch_up` computes the batch of the round it joins, not its own next.
+        self.workers, self.seed = workers, seed
+        # Backup rounds (`policy.backups`), as `collsync.rounds` runs them between real ranks (module docstring).
         self.margin, self.catch_up = margin, catch_up
         self._times: RoundTimes | None = None
+        self.ledger: Ledger | None = None  # backup rounds with catch-up: which batch each worker computes
         self._began = [0.0] * workers  # when each worker's gradient under way started
         self.sampler = stragglers.sampler(workers, seed) if stragglers is not None else None
         self.now = 0.0
@@ -100,9 +100,6 @@ class Simulator:
         if self.sampler is None:
             return 1.0
         return float(self.sampler.compute_time(worker, index) + self.sampler.message_delay(worker, index))
-
-    def _frozen(self, worker: int) -> bool:
-        return self.sampler is not None and self.sampler.is_frozen(worker, self.now)
 
     def run(
         self,
@@ -193,6 +190,8 @@ class Simulator:
             server.expire(payload)
         if self._times is not None and server.version != before:
             self._times.applied(complete=self._times.count >= server.full)
+        if self.ledger is not None and server.version != before:  # one round an event: its contributors its last
+            self.ledger.settle([v for v in range(self.workers) if server.contributed[v] == server.version])
         woken = {w} if kind == _PUSH else set()
         if server.version != before:
             if on_update is not None:
@@ -225,7 +224,7 @@ class Simulator:
         if not worker.ready(stamp):
             self._waiting.add(w)
             return
-        if self._frozen(w):
+        if self.sampler is not None and self.sampler.is_frozen(w, self.now):
             self._frozen_set.add(w)
             return
         fetch = worker.will_fetch()
@@ -246,12 +245,13 @@ class Simulator:
 
     def _compute(self, w: int) -> None:
         """Compute worker w's next gradient on what it holds; its push lands after the drawn compute time."""
-        worker = self._workers[w]
-        index = worker.clock if self._skips else worker.steps  # catch-up: the batch of the round it computes for
+        worker, shard, index = self._workers[w], w, self._workers[w].steps
+        if self.ledger is not None:  # catch-up: the chunk handed out for the round it computes for
+            shard, index = self.ledger.batch(w)
         self._began[w] = self.now
         params = self._held[w]
         assert params is not None  # a worker's first opportunity always fetches
-        arrival = worker.arrival(self._grads(params, w, index))
+        arrival = worker.arrival(self._grads(params, shard, index))
         self._current[w] = [self.now, self._seq]
         self._spec[w].start(worker.version)
         self._schedule(self.now + self._compute_time(w, index), _PUSH, w, arrival)
@@ -336,6 +336,7 @@ class Simulator:
             "frozen": sorted(self._frozen_set),
             "busy_until": self._busy_until,
             "backup": {"began": list(self._began), "times": None if self._times is None else asdict(self._times)},
+            "ledger": None if self.ledger is None else self.ledger.state_dict(),
             "specsync": None
             if self.scheduler is None
             else {
@@ -369,6 +370,8 @@ class Simulator:
         if backup.get("times") is not None:
             times = dict(backup["times"])
             self._times = RoundTimes(**{**times, "margin": Margin(**times["margin"])})
+        if state.get("ledger") is not None:
+            self.ledger = Ledger.from_state(self.workers, state["ledger"])
         self._speculate(policy)
         spec = state.get("specsync")
         if self.scheduler is not None and spec is not None:
@@ -381,7 +384,8 @@ class Simulator:
     def _backup_rounds(self, server: Server) -> None:
         """Backup rounds with a margin: the server collects past its quorum (`Server.wait_after_quorum`)."""
         backup = backup_rounds(server.policy)
-        self._skips = backup and self.catch_up
+        if backup and self.catch_up and self.ledger is None:
+            self.ledger = Ledger(self.workers, first=server.version * self.workers)
         if not backup or self.margin is None:
             return
         auto = self.margin == "auto"

@@ -73,7 +73,7 @@ def partial_step(launch: Launch) -> Step:
     if launch.sampler is not None:
         # A frozen rank never comes back here: the others go on while it is within `depth` rounds, then wait for it
         # (for at most sync.deadline, then it is lost, or the run fails naming it).
-        grads = injected(grads, launch.sampler, spec.time_scale, lambda: False)
+        grads = injected(grads, launch.sampler, spec.time_scale, lambda: False, rank=launch.comm.Get_rank())
     pa = PartialAllreduce(
         launch.comm,
         flat.numel,

@@ -5,11 +5,15 @@ the default `margin="auto"`, every other one that comes within the margin the me
 user's optimizer, and a gradient that came later is dropped and counted (`dropped`). `margin=None` takes exactly
 n - b every round (the paper's fixed b). A worker whose round is already complete reads the mean without
 contributing, and then catches up (`catch_up`): it reads and applies every further round the others completed
-meanwhile and has `collsync.torch.DistributedSampler` skip as many of its batches (at most the whole batches left in
-its epoch), so that it computes only for the current round, as 000_...'s late worker drops its stale work and joins
-the current step. Every worker still applies every round in order (the replicas stay identical) and ends each epoch
-at the same round, but a persistently slow worker no longer sets the pace: rounds go at the fast workers' pace with
-the gradients that came. Catch-up needs the sampler (given its DataLoader's `batch_size`) and no closure; by default
+meanwhile (up to its epoch's end), so that it computes only for the current round, as 000_...'s late worker drops
+its stale work and joins the current step. Its batches are not lost: `collsync.torch.DistributedSampler` hands out
+each round's batches by `ledger.Ledger` (settled with each round's contributors), so the batch of a dropped gradient,
+or of a round caught up on, is computed by a worker in time for a later round, and an epoch lasts the rounds its
+batches need (where the sampler cannot follow the ledger, it skips the caught-up rounds' batches instead: see
+`collsync.torch.sampler`). Every worker still applies every round in order (the replicas stay identical) and ends
+each epoch at the same round, but a persistently slow worker no longer sets the pace: rounds go at the fast
+workers' pace with the gradients that came. Catch-up needs the sampler (given its DataLoader's `batch_size`) and no
+closure; by default
 it is off while a learning-rate scheduler is attached to the optimizer, since a worker that skips batches also skips
 a per-step schedule's steps (`catch_up=True` where the schedule steps per epoch). A worker silent for the deadline is
 lost: the others go on without it while at most b are (`runtime.mpi_partial_lost`), `lost` names it after
@@ -21,6 +25,7 @@ this mode adds only how a mean is applied (the user's optimizer) and how work is
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 
 from collsync import ending
+from collsync.ledger import Ledger
 from collsync.loops import check_policy
 from collsync.rounds import BackupRounds, tolerated
 from collsync.runtime import PartialResult
@@ -35,6 +41,7 @@ from collsync.runtime.mpi_buckets import BucketReducer
 from collsync.runtime.mpi_coll import shutdown, threads_supported
 from collsync.runtime.mpi_partial import PartialAllreduce
 from collsync.torch import _mode
+from collsync.torch import sampler as samplers
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._server_mode import exit_without_finalize
 from collsync.torch._world import World
@@ -93,7 +100,11 @@ class PartialMode(Mode):
             margin=config.margin,
             tolerate=tolerated(policy, workers),
         )
-        self.rounds = BackupRounds(self.pa, self.quorum, catch_up=config.catch_up is not False)
+        # The ledger hands out the batches round by round (one round is one batch: `passes` 1, with catch-up).
+        ledger = Ledger(workers) if config.catch_up is not False and passes == 1 else None
+        self.rounds = BackupRounds(self.pa, self.quorum, catch_up=config.catch_up is not False, ledger=ledger)
+        if ledger is not None:
+            samplers.follow(self.rounds)
 
     @property
     def round(self) -> int:
@@ -148,6 +159,9 @@ class PartialMode(Mode):
             base(None)  # the round read before this one
             self.flat.set_grads(result.mean)
 
+        if sampler.follows and rounds.ledger is not None:  # the ledger hands the rounds' batches to the others
+            rounds.catch_up(sys.maxsize, apply, stop=sampler.ends_epoch)
+            return
         caught = rounds.catch_up(sampler.skippable() // self.passes, apply)
         if caught:
             sampler.skip(caught * self.passes)
@@ -164,6 +178,8 @@ class PartialMode(Mode):
         return self._lost
 
     def close(self) -> None:
+        if self.rounds is not None and self.rounds.ledger is not None:
+            samplers.follow(None)
         pa = self.pa
         if pa is not None and pa.tolerate and pa.leave_live():
             # Ranks lost (at most the backups): the windows' free and the world's end are collective and would wait

@@ -27,11 +27,18 @@ Which mode uses which (`shared=None`, decided from `init`'s world):
 `shared=True` or `False` overrides the choice (True needs `collsync.torch.init()`; the counter then spans its
 workers). A DataLoader should take `batch_size` equal to the sampler's, so that one take hands out one batch.
 
-Serverless `backup` skips batches with fixed shards too: a worker late for a round reads the rounds the others
-completed meanwhile (`_partial_mode`), applies them, and asks this sampler to skip as many of its batches (`skip`),
-so that it computes only for the current round and its epoch still ends at the others' round. Only a sampler given
-`batch_size` (that of its DataLoader) skips, and only whole batches not yet handed out (`skippable`): a DataLoader
-with workers has handed out a few batches ahead, which are then computed as usual.
+Serverless `backup` (with catch-up, its default) hands out each round's batches by `ledger.Ledger`: a batch whose
+gradient came late, or that of a round a late worker caught up on without computing, goes to a worker in time for
+a later round, so no batch of torch's shards is lost with a dropped gradient. Each batch is in exactly one applied
+mean; an epoch lasts as many rounds as its batches need (every worker ends it at the same round: the ledger, which
+every replica settles with each round's contributors, says when), and the few batches (fewer than `num_replicas`)
+left when it ends go first in the next epoch. Chunk g of the ledger is batch g // n of torch's shard g % n (n =
+`num_replicas`) of the epoch it belongs to, counting only full batches (the short last batch of each shard is left
+out). This needs the sampler's `batch_size` (that of its DataLoader) and a DataLoader that fetches a batch only
+when asked (`num_workers=0`): one fetching ahead (found at its second batch) gets torch's shards, and a worker late
+for a round then skips the batches of the rounds it caught up on (`skip`, `skippable`: whole batches not yet handed
+out), as with `backward_passes_per_step` > 1 or `catch_up=False`; their samples are then left out of the epoch.
+While it follows the ledger, `state_dict()` keeps the epoch but not the position in it (a resume starts the epoch).
 """
 
 from __future__ import annotations
@@ -45,12 +52,26 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
+from collsync.ledger import Ledger
 from collsync.policy import SyncPolicy
+from collsync.rounds import BackupRounds
 from collsync.runtime.mpi_counter import SharedCounter
 from collsync.torch import _world
 
 # The samplers that can skip batches for serverless backup (weakly held: a sampler dropped by the script goes).
 _SKIPPERS: weakref.WeakSet[DistributedSampler] = weakref.WeakSet()
+# Serverless backup's rounds whose ledger hands out the batches (`follow`; weakly held, as the mode that owns them).
+_FOLLOWED: list[weakref.ref[BackupRounds]] = []
+
+
+def follow(rounds: BackupRounds | None) -> None:
+    """Let a sampler with `batch_size` hand out the batches of `rounds.ledger` (None: no longer)."""
+    _FOLLOWED[:] = [] if rounds is None else [weakref.ref(rounds)]
+
+
+def _followed() -> tuple[BackupRounds, Ledger] | None:
+    rounds = _FOLLOWED[0]() if _FOLLOWED else None
+    return None if rounds is None or rounds.ledger is None else (rounds, rounds.ledger)
 
 
 def skipper() -> DistributedSampler | None:
@@ -118,6 +139,10 @@ class DistributedSampler(TorchDistributedSampler):
         self._first = self._end = 0  # fixed shards: the epoch's first position and its shard's length
         self._skip = 0  # fixed shards: batches to skip at the next batch boundary (`skip`)
         self.skipped = 0  # fixed shards: batches skipped in the current (or last) epoch
+        self.follows = batch_size is not None and not shared  # hands out serverless backup's ledger, where one is
+        self._epochs: dict[int, list[int]] = {}  # the ledger's epochs (counted from 0) -> their padded permutation
+        self._ledger_epoch = -1  # the ledger's epoch under way
+        self._per = 1  # the ledger's chunks an epoch
         self.counter: SharedCounter | None = None
         if self.shared:
             st = _world.state(what)
@@ -147,7 +172,8 @@ class DistributedSampler(TorchDistributedSampler):
             return self._shared(self.counter)
         if self.shared:
             raise ValueError("collsync.torch.DistributedSampler: this sampler is closed (its counter freed)")
-        return self._fixed()
+        followed = _followed() if self.follows else None
+        return self._fixed() if followed is None else self._reassigned(*followed)
 
     def _fixed(self) -> Iterator[int]:
         """torch's shard of this worker, from the resumed position if there is one, less the batches `skip` asks to
@@ -168,6 +194,55 @@ class DistributedSampler(TorchDistributedSampler):
         finally:
             if self._live is token:  # not a later epoch's iteration, begun before this one was dropped
                 self._live = None
+
+    def _reassigned(self, rounds: BackupRounds, ledger: Ledger) -> Iterator[int]:
+        """Serverless backup: the chunk the ledger hands this worker for each round, until a round belongs to the
+        next epoch (its newest chunk does). A DataLoader asking for a batch before the last one's round was taken
+        fetches ahead: torch's shard from its second batch on, where nothing was reassigned yet (else an error)."""
+        size, n = self.batch_size, self.num_replicas
+        per = n * (self.num_samples // size)  # chunks an epoch: the full batches of every shard
+        if per == 0:
+            raise ValueError(
+                f"collsync.torch.DistributedSampler: batch_size={size} is more than a worker's {self.num_samples} "
+                "samples an epoch"
+            )
+        self._ledger_epoch = mine = self._ledger_epoch + 1
+        self._epochs = {e: order for e, order in self._epochs.items() if e == mine - 1}
+        self._epochs[mine] = self._padded()
+        token, last = object(), -1
+        self._live, self._per = token, per
+        try:
+            while max(ledger.assigned) // per <= mine:
+                if ledger.round == last:
+                    if ledger.round:
+                        raise RuntimeError(
+                            "collsync.torch.DistributedSampler: the DataLoader fetched a batch before the last "
+                            "one's round was taken, while serverless backup hands out batches round by round: use "
+                            "num_workers=0 from the first epoch on"
+                        )
+                    self.follows, self._resume = False, (self.epoch, size)  # torch's shard from its second batch
+                    yield from self._fixed()
+                    return
+                last = ledger.round
+                epoch, k = divmod(ledger.assigned[self.rank], per)
+                first = (k // n) * size * n + k % n  # batch k // n of shard k % n: every n-th position from there
+                yield from self._epochs[epoch][first : first + size * n : n]
+        finally:
+            if self._live is token:
+                self._live = None
+
+    def ends_epoch(self) -> bool:
+        """Whether the ledger's next round belongs to the next epoch (a late worker's catch-up stops there)."""
+        followed = _followed()
+        return followed is None or max(followed[1].assigned) // self._per > self._ledger_epoch
+
+    def _padded(self) -> list[int]:
+        """The epoch's permutation padded or cut as torch's sampler does (shard r is [r::num_replicas])."""
+        indices = self._order()
+        if self.drop_last:
+            return indices[: self.total_size]
+        pad = self.total_size - len(indices)
+        return indices + (indices * math.ceil(pad / len(indices)))[:pad]
 
     def skippable(self) -> int:
         """Whole batches of this worker's shard not yet handed out (nor promised to `skip`) in the epoch under way:

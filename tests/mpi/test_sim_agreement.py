@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
+from collsync.ledger import Ledger
 from collsync.loops import Worker, run_allreduce, run_server, run_worker
 from collsync.policy import SyncPolicy, asynchronous, backup, bsp, ssp
 from collsync.rounds import run_partial
@@ -31,10 +32,10 @@ def grads(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
     return (params - TARGET) * (1.0 + 0.1 * worker) + 0.01 * torch.sin(torch.arange(NUMEL) + index + 7.0 * worker)
 
 
-def make(policy: SyncPolicy, workers: int, trace: Trace) -> Server:
+def make(policy: SyncPolicy, workers: int, trace: Trace, steps: int = STEPS) -> Server:
     """The one configuration every runtime here runs: momentum SGD with an EMA, from zeros."""
     start = torch.zeros(NUMEL, dtype=torch.float64)
-    return Server(start, momentum(lr=0.1), policy, workers, steps=STEPS, ema_decay=0.9, trace=trace)
+    return Server(start, momentum(lr=0.1), policy, workers, steps=steps, ema_decay=0.9, trace=trace)
 
 
 def simulated(policy: SyncPolicy, workers: int) -> Server:
@@ -105,30 +106,34 @@ REGIMES = {"within": ((0.06, 0.5), (1.2, 5.0)), "past": ((0.5, 0.02), (10.0, 0.5
 def test_backup_with_a_margin_and_catch_up_agrees_with_the_simulator(comm, regime):
     """sync=backup (b = 1) with a fixed margin and catch-up, the last rank slow, through the three fronts:
     collsync-train's runtime=partial loop (`rounds.run_partial` on a replica server), a collsync.torch script (the
-    user's SGD and `hvd.DistributedSampler`) and the simulator (runtime=sim, the same keys). They take the same
-    workers into every round, compute the same batches (the slow rank, past the margin, skips those of the rounds it
-    caught up) and end with the same parameters (to float tolerance: the partial allreduce sums in its own order)."""
-    n = comm.Get_size()
+    user's SGD and `hvd.DistributedSampler`, one epoch) and the simulator (runtime=sim, the same keys). They take the
+    same workers into every round, hand out the same batches (`ledger.Ledger`: past the margin, the slow rank's are
+    computed by the others) and end with the same parameters (to float tolerance: the partial allreduce sums in its
+    own order). The epoch's batches are each in exactly one applied mean, the slow rank's too, however late it is;
+    the epoch takes the rounds they need (fewer than n of them, left at its end, would go first in the next)."""
+    n, rank = comm.Get_size(), comm.Get_rank()
     if n < 2:
         pytest.skip("a slow worker needs another one")
     (mpi_step, mpi_margin), (sim_step, sim_margin) = REGIMES[regime]
     policy, slow = backup(1), n - 1
-    computed: dict[str, dict[int, list[int]]] = {"mpi": {}, "api": {}, "sim": {}}
+    computed: dict[str, list[tuple[int, int]]] = {"mpi": [], "api": []}  # this rank's batches: (shard, index)
 
-    def counted(side: str, sleep: bool):
-        def fn(params: torch.Tensor, worker: int, index: int) -> torch.Tensor:
-            if sleep:
-                time.sleep(mpi_step if worker == slow else 0.05)
-            computed[side].setdefault(worker, []).append(index)
-            return grads(params, worker, index)
+    def counted(side: str) -> Any:
+        def fn(params: torch.Tensor, shard: int, index: int) -> torch.Tensor:
+            time.sleep(mpi_step if rank == slow else 0.05)  # the computing rank's pace, whoever's batch it is
+            computed[side].append((shard, index))
+            return grads(params, shard, index)
 
         return fn
 
+    api, api_seen = through_the_api(counted("api"), mpi_margin)
+    steps = api_seen["rounds"]  # the epoch's rounds: the other fronts train as many
+    mpi_ledger, sim_ledger = Ledger(n, keep=True), Ledger(n, keep=True)
     with PartialAllreduce(comm, NUMEL, dtype=torch.float64, margin=mpi_margin) as pa:
-        mpi = run_partial(make(policy, n, Trace()), pa, counted("mpi", True), catch_up=True)
-    api, api_seen = through_the_api(counted("api", True), mpi_margin)
+        mpi = run_partial(make(policy, n, Trace(), steps), pa, counted("mpi"), catch_up=True, ledger=mpi_ledger)
     sim = Simulator(n, OneSlow(n, sim_step), seed=0, margin=sim_margin, catch_up=True)
-    ref = sim.run(make(policy, n, sim.trace), counted("sim", False))
+    sim.ledger = sim_ledger
+    ref = sim.run(make(policy, n, sim.trace, steps), grads)
     for server in (mpi, ref):
         check_trace(server.trace, policy, n, up_to_all=True)
     torch.testing.assert_close(mpi.params, ref.params, rtol=1e-12, atol=1e-14)
@@ -138,46 +143,55 @@ def test_backup_with_a_margin_and_catch_up_agrees_with_the_simulator(comm, regim
     members = [sorted(int(w) for w in e["workers"]) for e in mpi.trace.of("apply")]
     assert members == [sorted(int(w) for w in e["workers"]) for e in ref.trace.of("apply")]
     want = list(range(n)) if regime == "within" else list(range(n - 1))
-    assert members == [want] * STEPS, members
-    # The batches computed: the fast ranks every round's; the slow one, past the margin, skips the rounds it missed.
-    mine = computed["mpi"][comm.Get_rank()]
-    # Through the API every step's gradient is computed before the round is known: the slow rank's steps, past the
-    # margin, are all dropped; every other rank's step is in its round.
-    late = comm.Get_rank() == slow and regime == "past"
-    assert api_seen["dropped"] == (api_seen["steps"] if late else 0), api_seen
-    assert api_seen["steps"] == len(computed["api"][comm.Get_rank()])
-    if comm.Get_rank() != slow or regime == "within":
-        assert mine == computed["api"][comm.Get_rank()] == computed["sim"][comm.Get_rank()] == list(range(STEPS))
-    else:
-        for seen in (mine, computed["api"][slow], computed["sim"][slow]):  # increasing, the rounds it missed skipped
-            assert seen == sorted(set(seen)) and len(seen) < STEPS // 2, seen
-            assert any(b - a > 1 for a, b in zip(seen, seen[1:], strict=False)), seen
+    assert members == [want] * steps, members
+    # The batches used, in order, are the same on every front; each of the epoch's is used once (chunk g is batch
+    # g // n of shard g % n; the epoch has STEPS x n of them).
+    used = mpi_ledger.log
+    assert used == sim_ledger.log == api_seen["used"] and used is not None
+    assert len(used) == len(set(used)) and max(used) < STEPS * n
+    left = set(range(STEPS * n)) - set(used)
+    if rank != slow:  # the same batches through both MPI fronts (a late rank's computing is timing's)
+        assert computed["mpi"] == computed["api"]
+    if regime == "within":
+        assert (
+            steps == STEPS and used == list(range(STEPS * n)) and computed["mpi"] == [(rank, t) for t in range(STEPS)]
+        )
+        return
+    # Past the margin: the slow rank is in no round, yet its shard's batches are all used (by the others), bar the
+    # few left at the epoch's end; the epoch takes about n / (n - 1) x STEPS rounds.
+    assert len(left) < n and {g % n for g in used} == set(range(n)), left
+    assert steps == -(-(STEPS * n - len(left)) // (n - 1))
+    assert api_seen["dropped"] == (api_seen["steps"] if rank == slow else 0), api_seen
+    if rank == slow:
+        assert len(computed["mpi"]) < steps // 2, computed["mpi"]
 
 
-def through_the_api(grads_fn: Any, margin: float) -> tuple[torch.Tensor, dict[str, int]]:
+def through_the_api(grads_fn: Any, margin: float) -> tuple[torch.Tensor, dict[str, Any]]:
     """The same rounds through `collsync.torch` (`sync="backup"`, the user's torch SGD with momentum applying each
-    mean), one epoch of STEPS batches read through `hvd.DistributedSampler` (unshuffled: rank r's batch k is the
-    number r + k * size, so the batch says its index), which skips the batches of the rounds a late rank caught up;
-    the final parameters, the rounds taken without this worker's gradient and its steps."""
+    mean), one epoch of STEPS batches a worker read through `hvd.DistributedSampler` (unshuffled, batch 1: the
+    ledger's chunk g is the number g itself, batch g // size of shard g % size), which hands out the batches round by
+    round; the final parameters, the epoch's rounds, the rounds taken without this worker's gradient, its steps and
+    the chunks used."""
     import collsync.torch as hvd
 
     hvd.init()
     try:
-        size, rank = hvd.size(), hvd.rank()
+        size = hvd.size()
         numbers = list(range(STEPS * size))
         sampler = hvd.DistributedSampler(numbers, shuffle=False, batch_size=1)
         loader = torch.utils.data.DataLoader(numbers, batch_size=1, sampler=sampler)
         param = torch.nn.Parameter(torch.zeros(NUMEL, dtype=torch.float64))
         sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)
         opt = hvd.DistributedOptimizer(sgd, [("p", param)], sync="backup", backups=1, margin=margin, catch_up=True)
+        ledger = opt._collsync.rounds.ledger
+        ledger.log = []  # keep the chunks used
         steps = 0
         for (number,) in loader:
             opt.zero_grad()
-            index = (int(number) - rank) // size
-            (param * grads_fn(param.detach(), rank, index).detach()).sum().backward()
+            (param * grads_fn(param.detach(), int(number) % size, int(number) // size).detach()).sum().backward()
             opt.step()
             steps += 1
-        seen = {"dropped": opt.dropped, "steps": steps}  # rounds taken without this rank's gradient; steps taken
+        seen = {"rounds": opt._collsync.round, "dropped": opt.dropped, "steps": steps, "used": ledger.log}
         final = param.detach().clone()
         opt.close()
     finally:

@@ -251,17 +251,18 @@ class Behind(Scripted):
 @pytest.mark.parametrize("catch_up", [True, False])
 def test_a_late_rank_catches_up_and_skips_the_batches_it_missed(catch_up):
     """collsync-train's rounds (`run_partial`) as collsync.torch's: with catch-up, a rank late for round 0 applies
-    the rounds completed meanwhile and then computes the batch of the round it comes to (3), as a rank never late
-    would; without, it computes its own next batch (0) for round 3."""
+    the rounds completed meanwhile and then computes the batch the ledger hands it for the round it comes to (3):
+    its own of round 3 (shard 0, batch 3), then those of rank 2 in round 3 and rank 3 in round 4, which were left
+    out of those rounds (`Scripted` rotates who is counted); without catch-up, its own next batch (0) for round 3."""
     server = Server(torch.zeros(3), sgd(lr=1.0), backup(1), 4, steps=6)
-    asked: list[int] = []
+    asked: list[tuple[int, int]] = []
 
     def grads(params, worker, index):
-        asked.append(index)
+        asked.append((worker, index))
         return torch.ones(3)
 
     run_partial(server, Behind(4, late=3), grads, catch_up=catch_up)
-    assert asked == ([3, 4, 5] if catch_up else [0, 1, 2])
+    assert asked == ([(0, 3), (2, 2), (2, 3)] if catch_up else [(0, 0), (0, 1), (0, 2)])
     assert server.version == 6 and server.dropped >= 3
 
 
