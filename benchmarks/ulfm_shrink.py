@@ -47,7 +47,9 @@ def _side(name: str, run: Path, args: argparse.Namespace) -> dict[str, float]:
         launcher = f"{OPENMPI / 'mpirun'} --oversubscribe"
         cmd = [sys.executable, "-m", "collsync.supervise", "-n", "4", "--launcher", launcher, "--", *train]
     env = {**os.environ, **OPENMPI_ENV, "COLLSYNC_PLOTS": "false", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run.parent.mkdir(parents=True, exist_ok=True)
+    log = (run.parent / f"{run.name}.log").open("w")  # the job's output, to read when a side fails
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     path, seen = run / checkpoint.NAME, {}
     try:
         while (v := _version(path)) < args.kill_at:
@@ -78,12 +80,13 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=200)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--sides", nargs="+", default=["ulfm", "relaunch"], choices=["ulfm", "relaunch"])
     parser.add_argument("--work", type=Path, default=Path("outputs/ulfm_shrink"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ulfm_shrink.json")
     args = parser.parse_args()
     rows: dict[str, list[dict[str, float]]] = {"ulfm": [], "relaunch": []}
     for rep in range(args.reps):
-        for name in ("ulfm", "relaunch") if rep % 2 == 0 else ("relaunch", "ulfm"):
+        for name in args.sides if rep % 2 == 0 else args.sides[::-1]:
             row = _side(name, args.work / f"{name}{rep}", args)
             rows[name].append(row)
             print(name, rep, json.dumps(row), flush=True)
