@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from collsync import ending
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
@@ -116,6 +118,9 @@ def shrink(comm: MPI.Comm, *also: MPI.Comm | None) -> Shrunk:
             except MPI.Exception:
                 pass  # revoked already (by another rank): what was wanted
     new = errors_return(comm.Shrink())
+    # MPI_Finalize at exit can wait for ever in Open MPI's ULFM once a rank died (seen: the survivors spinning in
+    # `ompi_mpi_finalize` after the run folder was written); a rank lost ends every survivor as `ending` leaves.
+    ending.leave_at_exit()
     old = comm.Get_group()
     kept = MPI.Group.Translate_ranks(new.Get_group(), list(range(new.Get_size())), old)
     lost = sorted(set(range(comm.Get_size())) - set(kept))
