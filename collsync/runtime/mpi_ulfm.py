@@ -54,10 +54,13 @@ def enabled(env: dict[str, str] | None = None) -> bool:
 
 
 def errors_return(comm: MPI.Comm) -> MPI.Comm:
-    """`comm` with errors returned (raised by mpi4py) rather than fatal; returns it."""
+    """`comm` with errors returned (raised by mpi4py) rather than fatal; returns it. A predefined communicator
+    (COMM_WORLD, `collsync-train`'s) is the application's and is left as it is (mpi4py returns errors there by
+    default: `mpi4py.rc.errors`)."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
-    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    if comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
     return comm
 
 
