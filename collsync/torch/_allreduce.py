@@ -103,7 +103,9 @@ class AllreduceMode(Mode):
     def _shrunk(self, shrunk: Shrunk) -> None:
         """The workers' communicator shrank after a worker died (see the module): the rest follows it."""
         old, n = self.st.comm, shrunk.comm.Get_size()
-        world = old.Get_group().Translate_ranks(shrunk.lost, self.st.world.Get_group())
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        world = old.Get_group().Translate_ranks(shrunk.lost, MPI.COMM_WORLD.Get_group())
         self._lost.extend(
             ending.lost_rank(r, host_of(old, r), self._completed(), int(w))
             for r, w in zip(shrunk.lost, world, strict=True)
