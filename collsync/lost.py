@@ -133,3 +133,27 @@ def stuck_message(server: Server, describe: Callable[[list[int]], str], silent: 
         f"{server.policy.name}: round {server.version} got no gradient within deadline={server.policy.deadline}s; "
         f"waiting on {named}"
     )
+
+
+def regroup(server: Server, lost: list[int], ranks: list[int], hosts: list[str]) -> None:
+    """Serverless replicas that went on in place without the workers `lost` (a communicator shrunk under ULFM,
+    `runtime.mpi_ulfm`): each is traced `lost` (its rank and host, the last update it was part of), then a `world`
+    event gives the n' workers left, renumbered 0..n'-1 in order as a restart's are (`runs.resume.refit`); every
+    per-worker count keeps the survivors' own, and the quorum is the policy's for n'. Nothing can be buffered: the
+    replicas apply each mean at once."""
+    if server.pending:
+        raise ValueError("server: regroup() with gradients buffered; only serverless replicas regroup")
+    trace = server.trace
+    for worker, rank, host in zip(lost, ranks, hosts, strict=True):
+        if trace is not None:
+            trace.record("lost", worker=worker, rank=rank, host=host, last_update=server.contributed[worker])
+    kept = [w for w in range(server.workers) if w not in lost]
+    state = server.state_dict()
+    for key in ("oldest", "received", "clocks", "contributed"):
+        state[key] = [state[key][w] for w in kept]
+    state["last"] = {kept.index(int(w)): g for w, g in state["last"].items() if int(w) in kept}
+    was, server.workers = server.workers, len(kept)
+    server.quorum, server.full = server.policy.quorum_for(len(kept)), server.policy.full_for(len(kept))
+    server.load_state_dict(state)
+    if trace is not None:
+        trace.record("world", version=server.version, workers=len(kept), was=was)

@@ -71,7 +71,7 @@ _NAMED = (
     re.compile(r"\brank (\d+) on \S+ did not arrive"),
     re.compile(r"\bworker \d+ \(rank (\d+) on "),
     re.compile(r"no word from the server, rank (\d+) "),
-    re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal"),
+    re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal"),  # prterun wraps it
 )
 # srun names each task that ended badly, the first one and then those it ended itself once it ended the step
 # (--kill-on-bad-exit): only the lines before it said so name lost ranks, and only a task that died of a signal (a
@@ -149,7 +149,7 @@ def observe(code: int, output: str, run_dir: Path | None, started: float) -> Out
     finished = summary is not None and "incomplete" not in summary
     text = output + ("\n" + str(summary.get("incomplete", "")) if summary is not None else "")
     lost = lost_ranks(text)
-    died = bool(lost) or any(sign in text for sign in _DIED)
+    died = bool(lost) or any(sign in " ".join(text.split()) for sign in _DIED)  # prterun wraps its lines
     return Outcome(code, finished, lost, died, bool(_STOPPED.search(text)))
 
 

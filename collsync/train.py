@@ -30,7 +30,7 @@ from collsync.runs.simulated import run_simulated
 from collsync.runtime.mpi_world import world
 from collsync.runtime.spec import launched_under_mpi, launcher_rank
 from collsync.schema import given
-from collsync.torch._world import state
+from collsync.torch._world import shrunk, state
 
 __all__ = ["Parts", "build", "run"]
 
@@ -87,7 +87,7 @@ def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path, overrides: Sequence[s
     grads: GradFn = Gradients(flat, Batches(parts.data, workers, run.batch_size, run.seed))
     sampler = parts.stragglers.sampler(workers, run.seed) if spec.inject_stragglers else None
     hosts = comm.allgather(socket.gethostname())  # summary.json names each rank's host
-    launch = Launch(parts, flat, out_dir, comm, workers, grads, sampler, hosts)
+    launch = Launch(parts, flat, out_dir, comm, workers, grads, sampler, hosts, shrunk=shrunk)
     if spec.kind == "allreduce":
         return run_replicas(launch, allreduce_step)
     if spec.kind == "partial":

@@ -191,6 +191,8 @@ class Launch:
     grads: GradFn
     sampler: StragglerSampler | None  # the straggler draws to inject, or None
     hosts: list[str]  # each rank's host name, by rank of `comm` (summary.json's `hosts`)
+    # Told (old, new communicator) once `comm` shrank in place after a rank died (ULFM): the caller's world follows.
+    shrunk: Callable[[Any, Any], None] | None = None
 
 
 def progress(total: int, enabled: bool) -> tqdm | None:

@@ -5,14 +5,16 @@ argument. `runtime=allreduce` (full sync, BSP): the mean of every rank's gradien
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from collsync import ending
+from collsync.data import Batches
 from collsync.evaluate import Evaluator
-from collsync.loops import GradFn, run_allreduce
-from collsync.lost import grace
+from collsync.loops import GradFn, Gradients, run_allreduce
+from collsync.lost import grace, regroup
 from collsync.rounds import run_partial, tolerated
 from collsync.rundir import write_run
 from collsync.runs.delays import injected
@@ -21,7 +23,8 @@ from collsync.runs.resume import replicas_resume
 from collsync.runtime.mpi_buckets import BucketReducer
 from collsync.runtime.mpi_coll import MpiCollective, shutdown
 from collsync.runtime.mpi_partial import PartialAllreduce
-from collsync.runtime.mpi_world import open_mpi
+from collsync.runtime.mpi_ulfm import Shrunk
+from collsync.runtime.mpi_world import RankLost, open_mpi
 from collsync.server import Server
 from collsync.trace import Trace
 
@@ -44,7 +47,8 @@ class Step:
 
 def allreduce_step(launch: Launch) -> Step:
     """Full sync: the mean from (bucketed) allreduces; a stopped or dead rank ends the run at `sync.deadline`
-    rather than hang every other one."""
+    rather than hang every other one. Under ULFM a dead rank is shrunk away instead and the others go on from the
+    same step (`_follow`)."""
     spec, grads, deadline = launch.parts.runtime, launch.grads, launch.parts.policy.deadline
     coll = MpiCollective(launch.comm, deadline)
     reducer = None
@@ -57,11 +61,58 @@ def allreduce_step(launch: Launch) -> Step:
         reducer = BucketReducer(launch.comm, launch.flat.buffer, bucket_bytes, eager=True, deadline=deadline)
         grads = reducer.averaged(grads)
     averaged = reducer is not None
+    lost: list[dict[str, Any]] = []
+    held: list[Server] = []
+    if reducer is not None and reducer.ulfm:
+        reducer.on_shrink.append(_follow(launch, coll, held, lost))
 
     def train(server: Server, grads: GradFn, on_update: OnUpdate) -> None:
+        held.append(server)
         run_allreduce(server, coll, grads, on_update=on_update, averaged=averaged)
 
-    return Step(grads, train, lambda: None, (reducer or coll).shutdown, evaluates_first=False)
+    return Step(grads, train, lambda: None, (reducer or coll).shutdown, evaluates_first=False, lost=lost)
+
+
+def _follow(
+    launch: Launch, coll: MpiCollective, held: list[Server], lost: list[dict[str, Any]]
+) -> Callable[[Shrunk], None]:
+    """`runtime=allreduce` under ULFM: the reducer shrank the world after a rank died (`mpi_ulfm`), and the run goes
+    on with the n' ranks left from the same step, as `collsync-run` would relaunch it but with nothing read back
+    or computed again: the replica regroups (`lost` and `world` events, the quorum of n'), the data follows
+    `data.Batches` with n' workers (worker w's j-th batch, j the step), the world's communicator is the
+    survivors', and the summary lists the rank in `lost`. Rank 0 evaluates, checkpoints and writes the run folder:
+    without it the run ends as before (`RankLost`), for `collsync-run` to relaunch."""
+
+    def follow(shrunk: Shrunk) -> None:
+        server, hosts, old = held[0], launch.hosts, launch.comm
+        if 0 in shrunk.lost:
+            raise RankLost(
+                f"rank 0 on {hosts[0]} died (it evaluates, checkpoints and writes the run folder): the run cannot go "
+                "on in place; collsync-run relaunches it on the ranks left"
+            )
+        gone = [hosts[r] for r in shrunk.lost]
+        lost.extend(ending.lost_rank(r, h, server.contributed[r]) for r, h in zip(shrunk.lost, gone, strict=True))
+        regroup(server, shrunk.lost, shrunk.lost, gone)
+        n = shrunk.comm.Get_size()
+        launch.hosts = [h for r, h in enumerate(hosts) if r not in shrunk.lost]
+        launch.comm, launch.workers = shrunk.comm, n
+        coll.comm, coll.rank, coll.size = shrunk.comm, shrunk.comm.Get_rank(), n
+        if isinstance(launch.grads, Gradients):
+            run = launch.parts.run
+            launch.grads.batches = Batches(launch.parts.data, n, run.batch_size, run.seed)
+        if launch.shrunk is not None:
+            launch.shrunk(old, shrunk.comm)
+        if shrunk.comm.Get_rank() == 0:
+            named = ", ".join(f"rank {r} on {h}" for r, h in zip(shrunk.lost, gone, strict=True))
+            logging.getLogger("collsync.train").warning(
+                "%s died; going on in place with %d of %d ranks from step %d (ULFM: nothing read back or recomputed)",
+                named,
+                n,
+                shrunk.was,
+                server.version,
+            )
+
+    return follow
 
 
 def partial_step(launch: Launch) -> Step:

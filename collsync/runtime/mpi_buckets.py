@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from collsync.flat import ParamBuffer
+from collsync.runtime import mpi_ulfm
 from collsync.runtime.mpi_coll import shutdown, threads_supported, wait
 from collsync.runtime.mpi_thread import CommThread
 from collsync.runtime.mpi_world import gate, lost
@@ -69,6 +70,13 @@ class BucketReducer:
 
     A rank whose backward reached no parameter runs no hook and no callback; it must call `wait()` to join the
     step's reduction (`averaged` does). Construction and `remove()` are collective over `comm`.
+
+    Under ULFM (`mpi_ulfm.enabled`) a rank that dies costs no restart: each started bucket's own contribution is
+    kept (`_mine`) and so is the last mean (`_last`), two copies of the buffer a step; the reduction that reports
+    the failure revokes and shrinks `comm`, the survivors agree on the step (`mpi_ulfm.plan`: one behind takes the
+    last mean), the thread is made again on the survivors' communicator, `on_shrink`'s callbacks get the
+    `mpi_ulfm.Shrunk` (a caller's world, data and scale follow it), and the open reduction is done again over
+    n - 1 (`post=None`: the mean of n - 1).
     """
 
     def __init__(
@@ -95,10 +103,19 @@ class BucketReducer:
         if passes < 1:
             raise ValueError(f"BucketReducer: {passes=} must be >= 1")
         self.MPI = MPI
-        self.comm = comm
         self.buffer = buffer
         self.size: int = comm.Get_size()
-        if post is not None and pre == 1.0 and post != 1.0 and _exact_scale(post):
+        self.ulfm = self.size > 1 and mpi_ulfm.enabled()
+        self.comm = mpi_ulfm.errors_return(comm) if self.ulfm else comm
+        # Kept under ULFM to do a reduction again after a failure: this rank's contribution, and the last mean.
+        self._mine = torch.empty_like(buffer.buf) if self.ulfm else buffer.buf
+        self._last = torch.empty_like(buffer.buf) if self.ulfm else buffer.buf
+        self.completed = 0  # reductions completed (the survivors of a failure compare them: `mpi_ulfm.plan`)
+        self.on_shrink: list[Callable[[mpi_ulfm.Shrunk], None]] = []
+        self._failed: BaseException | None = None  # a failure raised where it cannot be handled (a hook)
+        # Under ULFM `post` stays after the sum: a shrink changes the divisor, and the kept contribution must not
+        # hold a 1/n already.
+        if not self.ulfm and post is not None and pre == 1.0 and post != 1.0 and _exact_scale(post):
             pre, post = post, 1.0
         self.pre, self.post = pre, post
         self.passes, self.eager, self.poll, self.what = passes, eager, poll, what
@@ -186,24 +203,76 @@ class BucketReducer:
     def _start(self, bucket: int) -> None:
         if bucket == 0 and self.buffer.flag:
             self.buffer.buf[-1] = self.pre  # the join flag: this worker steps
+        if self.ulfm:
+            a, z = self.slices[bucket]
+            self._mine[a:z].copy_(self._views[bucket])
         if self._thread is None:
-            self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._arrays[bucket], op=self.MPI.SUM))
+            try:
+                self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._arrays[bucket], op=self.MPI.SUM))
+            except self.MPI.Exception as exc:  # from a hook inside backward: handled once the step waits
+                if not self.ulfm:
+                    raise
+                self._failed = exc
         elif bucket < len(self.buckets) - 1:  # the last one is summed by `_finish` itself, in this thread
             self._thread.post(self._arrays[bucket], self._scaler(self._views[bucket]))
         self._next = bucket + 1
 
     def _finish(self) -> None:
         try:
-            self._reduce()
+            if self.ulfm:
+                mpi_ulfm.recovering(self._reduce, self._recover)
+            else:
+                self._reduce()
         except TimeoutError as exc:  # a collective cannot say whom it waits for: the roll call names them
             raise lost(self.comm, str(exc), self.deadline) from None
+        except self.MPI.Exception as exc:
+            if self.ulfm or not mpi_ulfm.failure(exc):
+                raise
+            raise RuntimeError(f"{self.what}: {mpi_ulfm.NOT_THERE}") from exc
+
+    def _recover(self, error: BaseException) -> None:
+        """After a process failure (see the class): shrink, agree on the step, rebuild, and set up the redo."""
+        shrunk = mpi_ulfm.shrink(self.comm, None if self._thread is None else self._thread.comm)
+        threaded = self._thread is not None
+        if self._thread is not None:
+            self._thread.abandon()
+            self._thread = None
+        self.comm, self.size, self._failed = shrunk.comm, shrunk.comm.Get_size(), None
+        agreed = mpi_ulfm.plan(self.comm.allgather(self.completed))
+        behind = self.comm.Get_rank() in agreed.behind
+        if agreed.behind:  # the last mean, from a rank that applied it, to those that did not get it
+            into = self.buffer.buf if behind else self._last
+            self.comm.Bcast(into.numpy(), root=agreed.root)
+        if threaded:
+            self._thread = CommThread(self.comm)
+        for then in self.on_shrink:
+            then(shrunk)
+        if behind:
+            self._done()
+            return
+        for b in range(self._next):  # the buckets started: their sums may be partial, so back to this rank's own
+            a, z = self.slices[b]
+            self.buffer.buf[a:z].copy_(self._mine[a:z])
+        self._next, self._requests, self._state = 0, [], _ACTIVE
+
+    def _done(self) -> None:
+        self._state = _REDUCED
+        self.completed += 1
+        if self.ulfm:
+            self._last.copy_(self.buffer.buf)
 
     def _reduce(self) -> None:
+        if self._state == _REDUCED:  # a rank behind at a failure: it took the last mean (`_recover`)
+            return
+        if self._failed is not None:
+            raise self._failed
         while self._next < len(self.buckets):
             for index in self.buckets[self._next]:
                 if self._counts[index] < self.passes:
                     self._stage(index)
             self._start(self._next)
+        if self._failed is not None:
+            raise self._failed
         if self._thread is not None:
             self._thread.run(self._arrays[-1], self.deadline, self.what)
             _call(self._scaler(self._views[-1]))
@@ -212,7 +281,7 @@ class BucketReducer:
                 wait(request, self.deadline, self.what)
                 _call(self._scaler(view))
             self._requests = []
-        self._state = _REDUCED
+        self._done()
 
     def wait(self) -> Flat:
         """The reduced gradient, `buffer.buf` itself. After an `eager` backward pass that reached a parameter it was

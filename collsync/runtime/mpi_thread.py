@@ -140,6 +140,14 @@ class CommThread:
                     )
                 self._cv.wait(left)
 
+    def abandon(self) -> None:
+        """Let the thread end without freeing its communicator: after a process failure it is revoked (its sums
+        returned with an error, `mpi_ulfm.shrink`), and freeing it would be one more collective with a dead rank."""
+        with self._cv:
+            self._jobs.append(None)
+            self._cv.notify()
+        self._thread.join(timeout=1.0)
+
     def close(self) -> None:
         """Stop the thread once it is idle, and free the duplicate communicator (collective). A thread still stuck
         in a sum (after a timeout) is left to the world's abort."""

@@ -6,21 +6,30 @@ optimizer steps on every replica. Where it can (one dtype, no compression, mpi4p
 worker), the reduction runs in buckets while backward goes on (`runtime.mpi_buckets.BucketReducer`, the one
 `collsync-train` uses); else it is one `ops.allreduce_` (or Horovod's own, with `backend="horovod"`) of the
 gradients copied into one buffer.
+
+Under ULFM (Open MPI 5's `mpirun --with-ft ulfm`) the bucketed reduction survives a worker that dies: the reducer
+shrinks the workers' communicator and does the step's reduction again over the n - 1 left (`runtime.mpi_ulfm`);
+here the mean's divisor, the world (`size()`, `rank()`), and `collsync.torch.DistributedSampler`'s shards follow,
+and `opt.lost` names the worker. The step and the user's optimizer go on as if nothing happened.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from collsync import ending
 from collsync.flat import ParamBuffer
 from collsync.runtime.horovod import allreduce_ as horovod_allreduce_
 from collsync.runtime.mpi_buckets import PASSES_MESSAGE, BucketReducer
 from collsync.runtime.mpi_coll import threads_supported
-from collsync.torch import _mode, ops
+from collsync.runtime.mpi_ulfm import Shrunk
+from collsync.runtime.mpi_world import host_of
+from collsync.torch import _mode, _world, ops, sampler
 from collsync.torch._mode import Mode
 from collsync.torch._ops_reduce import _allreduce_start
 from collsync.torch._world import World
@@ -58,6 +67,7 @@ class AllreduceMode(Mode):
         self.synchronized = False
         self.checked = False  # whether the workers agreed on the buffers' types and sizes (at the first reduction)
         self.reducer: BucketReducer | None = None
+        self._lost: list[dict[str, Any]] = []
         self.handles: list[Any] = []
         size = st.comm.Get_size()
         if (
@@ -80,8 +90,41 @@ class AllreduceMode(Mode):
                 deadline=deadline,
                 what="DistributedOptimizer: the gradient allreduce",
             )
+            if self.reducer.ulfm and process_set is ops.global_process_set:
+                self.reducer.on_shrink.append(self._shrunk)
         else:
             self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
+
+    @property
+    def lost(self) -> list[dict[str, Any]]:
+        """The workers that died and were shrunk away (ULFM), as `ending.lost_rank` records them."""
+        return self._lost
+
+    def _shrunk(self, shrunk: Shrunk) -> None:
+        """The workers' communicator shrank after a worker died (see the module): the rest follows it."""
+        old, n = self.st.comm, shrunk.comm.Get_size()
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        world = old.Get_group().Translate_ranks(shrunk.lost, MPI.COMM_WORLD.Get_group())
+        self._lost.extend(
+            ending.lost_rank(r, host_of(old, r), self._completed(), int(w))
+            for r, w in zip(shrunk.lost, world, strict=True)
+        )
+        if self.reducer is not None and self.op == ops.Average:
+            self.reducer.post = self.post / n
+        _world.shrunk(old, shrunk.comm)
+        sampler.follow_world(n, shrunk.comm.Get_rank())
+        if shrunk.comm.Get_rank() == 0:
+            named = ", ".join(f"worker {r} on {host_of(old, r)}" for r in shrunk.lost)
+            print(
+                f"collsync: {named} died; going on in place with {n} of {shrunk.was} workers (ULFM)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _completed(self) -> int | None:
+        """The reductions this optimizer completed: the last step a lost worker took part in."""
+        return None if self.reducer is None else self.reducer.completed
 
     def _count(self, p: torch.Tensor) -> None:
         self.counts[id(p)] += 1

@@ -276,6 +276,20 @@ def shutdown() -> None:
     _STATE = None
 
 
+def shrunk(old: Any, new: Any) -> None:
+    """A serverless world that went on in place without a dead rank (ULFM: `runtime.mpi_ulfm`, a reducer's
+    `on_shrink`): `size()`, `rank()`, the local and cross ranks, the collectives and the end follow the survivors'
+    communicator `new` (collective over them); `world_rank()` stays the rank in the whole MPI world."""
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    st = _STATE
+    if st is None or st.servers or old not in (st.comm, st.world):
+        return
+    st.comm = new
+    st.local = new.Split_type(MPI.COMM_TYPE_SHARED, key=new.Get_rank())
+    st.cross = new.Split(st.local.Get_rank(), new.Get_rank())
+
+
 def fatal(exc: BaseException) -> None:
     """Report a lost rank in one line and end the job: `MPI_Abort`, not `os._exit`. Abort has the launcher end
     every rank, the stopped or hung one included; a rank that only exits leaves it, and under `srun` (which keeps

