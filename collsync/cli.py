@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf import errors as oc_errors
 
-from collsync.runtime.spec import launched_under_mpi, launcher_rank
+from collsync.runtime.spec import SIZE_VARS, launched_under_mpi, launcher_rank
 
 CONF_DIR = str(files("collsync.conf"))
 
@@ -39,6 +40,9 @@ CONF_DIR = str(files("collsync.conf"))
 # (a bad config), rank 0 prints it and aborts the world meanwhile, so the line appears once; an error of this rank
 # alone is printed after the wait.
 _PRINT_GRACE_S = 3.0
+# Under a launcher, a shorter `sync.deadline` ends every start-up (issue 36: sync.deadline=0.01 timed out in MPI_Init
+# or in the start-up exchange on every rank), so it is refused before MPI starts.
+MIN_LAUNCH_DEADLINE_S = 1.0
 
 
 def _failed_job(report: str) -> str:
@@ -230,9 +234,21 @@ def _check_world() -> None:
     from collsync.runtime import startup
     from collsync.runtime.mpi_world import world
 
+    deadline = _startup_deadline(sys.argv[1:])
+    if deadline is not None and deadline < MIN_LAUNCH_DEADLINE_S:
+        if launcher_rank() == 0:  # before MPI, where each rank would say it: the launcher's rank 0 alone
+            size = next((os.environ[v] for v in SIZE_VARS if os.environ.get(v, "").isdigit()), "?")
+            print(
+                f"collsync-train: rank 0 of {size} on {socket.gethostname()}: error: sync.deadline={deadline:g} is "
+                f"under {MIN_LAUNCH_DEADLINE_S:g} s, shorter than any launch's start-up (each rank imports torch and "
+                f"starts MPI within it): {startup.too_short(deadline)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        sys.exit(2)
     # MPI_Init (in `world`) waits until every rank the launcher started has joined: a rank that never does would hold
     # this one there for ever, where no deadline of the runtime's reaches. The start-up watchdog bounds it.
-    startup.arm("collsync-train", _startup_deadline(sys.argv[1:]))
+    startup.arm("collsync-train", deadline)
     try:
         world()
     except RuntimeError as exc:  # check_world_size's mismatch: MPI itself is up, but each rank is alone in it

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from collsync.trace import Trace
 
@@ -253,6 +254,17 @@ ROWS = [
         ["data=npz", "data.path={files}/label100000.npz"],
         "y_train row 17 holds label 100000, which makes 100001 classes of which it holds 11",
     ),
+    Row(
+        "npz-classes-past-rows",
+        ["data=npz", "data.path={files}/label9.npz"],
+        "y_train row 5 holds label 9, which makes 10 classes, more than its 6 rows (a class needs rows to learn from)",
+    ),
+    Row("synthetic-classes-bound", ["data=synthetic", "data.classes=100001"], "classes=100001 must be <= 100000"),
+    Row(
+        "stragglers-typo",
+        ["stragglers=gama_homogeneous"],
+        "stragglers=gama_homogeneous: no such option of stragglers (did you mean 'gamma_homogeneous'",
+    ),
     # Under a launcher.
     Row(
         "mpi-workers-contradict",
@@ -276,6 +288,13 @@ ROWS = [
         python=str(OPENMPI_PYTHON),
     ),
     Row("mpi-config-once", ["optimizer.lr=abc"], "optimizer.lr='abc' is not a number", ranks=2),
+    Row(  # issue 36: every rank timed out in the start-up, and the line named an empty list of lost ranks
+        "mpi-deadline-too-short",
+        ["sync.deadline=0.01"],
+        "error: sync.deadline=0.01 is under 1 s, shorter than any launch's start-up (each rank imports torch and "
+        "starts MPI within it): deadline=0.01s is too short for the start-up: give sync.deadline=60 or more",
+        ranks=3,
+    ),
     Row("mpi-backups-once", ["sync=backup", "sync.backups=2"], "backups=2 must be < workers=2", ranks=3),
     Row(
         "mpi-diverges-bar",
@@ -323,6 +342,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         **{**digits, "y_train": np.where(np.arange(60) == 17, 100000, np.arange(60) % 10)},
         x_test=rng.random((20, 64)),
     )
+    np.savez(d / "label9.npz", **{**ok, "y_train": np.array([0, 1, 2, 3, 4, 9])})  # 10 classes in 6 rows
     np.savez(d / "no-test.npz", **{**ok, "x_test": np.zeros((0, 2)), "y_test": np.zeros(0, dtype=int)})
     good = Trace(clock=lambda: 0.0)  # a run that trained: one update, evaluated
     good.extend(
@@ -560,6 +580,81 @@ def test_resume_auto_on_a_finished_run_trains_nothing(tmp_path: Path, files: Pat
     longer = Row("longer", [*args, "steps=7", f"hydra.run.dir={run}"], "")
     assert launch(longer, tmp_path / "longer", files, zygote)[0] == 0
     assert json.loads((run / "summary.json").read_text())["updates"] == 7
+    # No checkpoint to go on from: a fresh start would overwrite the finished run, so it is refused.
+    (run / "checkpoint.pt").unlink()
+    before = modified(run)
+    (tmp_path / "afresh").mkdir()
+    afresh = Row("afresh", [*args, "steps=9", f"hydra.run.dir={run}"], "")
+    status, out, err = launch(afresh, tmp_path / "afresh", files, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert one_error(out + err).endswith(
+        f"error: resume=auto: run folder {run} holds a finished run of 7 updates and no checkpoint to go on from, so "
+        "steps=9 would start afresh over it: give it a new hydra.run.dir= (a run with checkpoint.every= set can "
+        "later go on from its last checkpoint)"
+    )
+    assert before == modified(run)
+
+
+def modified(run: Path) -> dict[str, int]:
+    """The run folder's files and their modification times (not its log, to which each command adds its lines)."""
+    return {f.name: f.stat().st_mtime_ns for f in run.iterdir() if f.is_file() and f.suffix != ".log"}
+
+
+def one_error(text: str) -> str:
+    """The one error line of a command's output."""
+    errors = [line for line in shown_lines(text) if "error:" in line]
+    assert len(errors) == 1, text[-4000:]
+    return errors[0]
+
+
+def test_resume_under_mpi_of_a_finished_or_simulated_run(tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
+    """Issue 36: under MPI, `resume=auto` on a finished run folder trained it again and replaced its params.pt; a
+    simulator's checkpoint resumed under MPI mixed simulated and wall seconds, and an MPI run's checkpoint resumed
+    in the simulator ended in a KeyError. The first says the run is finished (exit 0, the folder untouched); the
+    others are refused in one line naming both runtimes."""
+    if not MPIEXEC.exists():
+        pytest.skip("the venv has no mpiexec (install the mpich extra)")
+    args = ["sync=async", "checkpoint.every=2", "steps=5", "plots=false"]
+    for name in ("first", "again", "cross", "back"):
+        (tmp_path / name).mkdir()
+    assert launch(Row("first", args, ""), tmp_path / "first", files, zygote)[0] == 0
+    run = tmp_path / "first" / "mnt" / "run"
+    before = modified(run)
+    again = Row("again", [*args, "resume=auto", f"hydra.run.dir={run}"], "", ranks=3)
+    status, out, err = launch(again, tmp_path / "again", files, zygote)
+    assert status == 0 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert (out + err).count(f"run folder {run} is finished (5 updates, steps=5): nothing to train") == 1, out + err
+    assert before == modified(run)
+    cross = Row("cross", [*args, f"resume={run}"], "", ranks=3)
+    status, out, err = launch(cross, tmp_path / "cross", files, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert "was written by the simulator (simulated seconds), and this run is an MPI run (wall seconds)" in one_error(
+        out + err
+    )
+    # An MPI run's checkpoint holds no simulator state (`driver` empty): the same file with it emptied.
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    torch.save({**saved, "driver": {}}, tmp_path / "back" / "checkpoint.pt")
+    status, out, err = launch(Row("back", [*args, f"resume={tmp_path / 'back'}"], ""), tmp_path / "back", files, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert "was written by an MPI run (wall seconds), and this run is the simulator (simulated seconds)" in one_error(
+        out + err
+    )
+
+
+def test_an_option_given_with_a_method_replaces_it_with_a_warning(
+    tmp_path: Path, files: Path, zygote: Zygote | None
+) -> None:
+    """Issue 36, item 9, by the rule the README states: `optimizer=` (or `penalty=`) on the command line replaces
+    the `method=`'s own, and one warning names both; the run trains the command line's optimizer."""
+    status, out, err = launch(Row("method-optimizer", ["method=dana", "optimizer=adam"], ""), tmp_path, files, zygote)
+    assert status == 0 and "Traceback" not in out + err, (out + err)[-4000:]
+    warned = [line for line in (out + err).splitlines() if "WARNING" in line or "warning:" in line]
+    assert len(warned) == 1 and warned[0].endswith(
+        "method=dana sets optimizer=dana, and optimizer=adam on the command line replaces it: this run trains "
+        "optimizer=adam"
+    ), warned
+    config = OmegaConf.load(tmp_path / "mnt" / "run" / ".hydra" / "config.yaml")
+    assert config.optimizer._target_ == "collsync.rules.adam", config
 
 
 def test_a_sweep_member_that_fails_does_not_stop_the_others(tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
