@@ -577,6 +577,14 @@ def test_resume_auto_on_a_finished_run_trains_nothing(tmp_path: Path, files: Pat
     assert status == 0 and "Traceback" not in out + err, (out + err)[-4000:]
     assert f"run folder {run} is finished (5 updates, steps=5): nothing to train (pass steps > 5" in out + err
     assert before == {f.name: f.stat().st_mtime_ns for f in run.iterdir() if f.name in before}
+    # Its checkpoint (step 4) resumed with fewer steps: the run would end at once, without a word.
+    (tmp_path / "past").mkdir()
+    past = Row("past", ["sync=async", "checkpoint.every=2", "steps=3", "plots=false", f"resume={run}"], "")
+    status, out, err = launch(past, tmp_path / "past", files, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert one_error(out + err).endswith(
+        f"resume: {run / 'checkpoint.pt'} is at server step 4, already past steps=3: pass steps > 4 to train on from it"
+    )
     longer = Row("longer", [*args, "steps=7", f"hydra.run.dir={run}"], "")
     assert launch(longer, tmp_path / "longer", files, zygote)[0] == 0
     assert json.loads((run / "summary.json").read_text())["updates"] == 7

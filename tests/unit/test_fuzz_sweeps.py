@@ -49,7 +49,7 @@ from tests.unit.test_fuzz_config import (
 )
 
 CROSS_EXAMPLES = int(os.environ.get("COLLSYNC_FUZZ_CROSS_EXAMPLES", "8"))
-SWEEP_EXAMPLES = int(os.environ.get("COLLSYNC_FUZZ_SWEEP_EXAMPLES", "3"))
+SWEEP_EXAMPLES = int(os.environ.get("COLLSYNC_FUZZ_SWEEP_EXAMPLES", "2"))
 MPI_RUNTIMES = ["mpi", "allreduce", "partial"]
 BOTH = ("the simulator (simulated seconds)", "an MPI run (wall seconds)")
 SETTINGS: dict[str, Any] = {
