@@ -155,6 +155,8 @@ def _train(cfg: DictConfig) -> float | None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     checkpoint.stop_now("during start-up")  # a signal since `train()` began: nothing to save, end now
     checkpoint.install()  # SIGTERM / SIGINT / SIGUSR1: checkpoint, write the run folder, exit 128 + the signal
+    if _local_sweep() and int(HydraConfig.get().job.num) == 0:
+        _check_members()
     try:
         result = execute(cfg, out_dir, HydraConfig.get().runtime.choices, list(HydraConfig.get().overrides.task))
     except checkpoint.Preempted as exc:
@@ -174,16 +176,42 @@ def _train(cfg: DictConfig) -> float | None:
 _FAILED_MEMBERS: list[int] = []
 
 
-def _member_failed(message: str) -> bool:
-    """A sweep member's user error where one process runs the members in turn (`-m` with Hydra's basic launcher,
-    no MPI): one line naming the member, and the sweep goes on, since the members after it are runs of their own
-    (`-m sync.backups=1,8,2` runs 1 and 2). False where the error ends the process: a single run, or under MPI,
-    where a rank alone meeting it would leave the others in another member."""
+def _local_sweep() -> bool:
+    """Whether one process runs a sweep's members in turn (`-m` with Hydra's basic launcher, no MPI)."""
     config = HydraConfig.get()
     if config.mode != RunMode.MULTIRUN or launched_under_mpi():
         return False
-    if config.runtime.choices.get("hydra/launcher") != "basic":
+    return config.runtime.choices.get("hydra/launcher") == "basic"
+
+
+def _check_members() -> None:
+    """Before the first member of a local sweep trains: every member's config through the checks a run makes
+    before its first gradient (`collsync.sweep`); each member refused is named in one line, and nothing trains."""
+    from collsync import schema, sweep, train
+
+    def check(cfg: DictConfig, choices: dict[str, str], overrides: list[str]) -> None:
+        schema.check(cfg, choices)
+        schema.check_overrides(overrides)
+        train.check(cfg)
+
+    given = [a for a in sys.argv[1:] if "=" in a or a.startswith("~")]  # the overrides, not -m and the like
+    found = sweep.refused(given, check, user_error)
+    for job, said, message in found:
+        print(f"collsync-train: error: sweep member {job} ({said}): {message}", file=sys.stderr, flush=True)
+    if found:
+        jobs = ", ".join(str(job) for job, _, _ in found)
+        print(f"collsync-train: the sweep trained no member: member(s) {jobs} refused (above)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _member_failed(message: str) -> bool:
+    """A sweep member's user error met while it trained, where one process runs the members in turn (each was
+    checked before the first trained: `_check_members`): one line naming the member, and the sweep goes on, since
+    the members after it are runs of their own. False where the error ends the process: a single run, or under
+    MPI, where a rank alone meeting it would leave the others in another member."""
+    if not _local_sweep():
         return False
+    config = HydraConfig.get()
     _close_progress_bars()
     said = " ".join(config.overrides.task)
     print(f"collsync-train: error: sweep member {config.job.num} ({said}): {message}", file=sys.stderr, flush=True)

@@ -665,23 +665,34 @@ def test_an_option_given_with_a_method_replaces_it_with_a_warning(
     assert config.optimizer._target_ == "collsync.rules.adam", config
 
 
-def test_a_sweep_member_that_fails_does_not_stop_the_others(tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
-    """Issue 36: `-m sync.backups=1,8,2`: member 1 is refused in one line naming it, members 0 and 2 train, and the
-    exit status is 2 once the sweep is over."""
+def sweep_run(argv: list[str], tmp_path: Path, zygote: Zygote | None) -> tuple[int, str, str]:
+    """`collsync-train -m ARGV` (`launch` puts its overrides first; -m goes before them)."""
+    if zygote is not None:
+        return zygote.run(ENTRIES["collsync-train"], ["collsync-train", "-m", *argv], clean_env(), tmp_path)
+    script = "import sys; from collsync.cli import train; sys.exit(train())"
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "-m", *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env()
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_a_sweep_with_a_bad_member_is_refused_before_the_first_trains(tmp_path: Path, zygote: Zygote | None) -> None:
+    """Issue 36: `-m sync.backups=1,8,2` trained member 0, then stopped at member 1. Every member is checked before
+    the first trains: member 1 is named in one line, nothing trains, and the exit status is 2. A member that fails
+    only while it trains (it diverges) is named and the members after it still train."""
     sweep = tmp_path / "mnt" / "sweep"
-    argv = ["-m", *BASE, "sync=backup", "sync.backups=1,8,2", "plots=false", f"hydra.sweep.dir={sweep}"]
-    if zygote is not None:  # `launch` puts its overrides first; -m goes before them
-        status, out, err = zygote.run(ENTRIES["collsync-train"], ["collsync-train", *argv], clean_env(), tmp_path)
-    else:
-        script = "import sys; from collsync.cli import train; sys.exit(train())"
-        proc = subprocess.run(
-            [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env()
-        )
-        status, out, err = proc.returncode, proc.stdout, proc.stderr
+    argv = [*BASE, "sync=backup", "sync.backups=1,8,2", "plots=false", f"hydra.sweep.dir={sweep}"]
+    status, out, err = sweep_run(argv, tmp_path, zygote)
     assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
-    errors = [line for line in shown_lines(out + err) if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith("collsync-train: error: sweep member 1 ("), errors
-    assert " sync.backups=8 " in errors[0], errors[0]
-    assert errors[0].endswith("): backup: backups=8 must be < workers=8"), errors[0]
-    assert "the sweep ran every member; member(s) 1 failed (above)" in err
-    assert [(sweep / job / "trace.jsonl").is_file() for job in "012"] == [True, False, True]
+    error = one_error(out + err)
+    assert error.startswith("collsync-train: error: sweep member 1 (") and " sync.backups=8 " in error, error
+    assert error.endswith("): backup: backups=8 must be < workers=8"), error
+    assert "the sweep trained no member: member(s) 1 refused (above)" in err
+    assert not list(sweep.rglob("trace.jsonl"))
+    later = tmp_path / "mnt" / "later"
+    argv = [*BASE, "optimizer.lr=1e6,0.05", "steps=30", "eval_every=5", "plots=false", f"hydra.sweep.dir={later}"]
+    status, out, err = sweep_run(argv, tmp_path, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert one_error(out + err).startswith("collsync-train: error: sweep member 0 (optimizer.lr="), err
+    assert "the sweep ran every member; member(s) 0 failed (above)" in err
+    assert "incomplete" not in json.loads((later / "1" / "summary.json").read_text())

@@ -7,8 +7,9 @@ runtime wrote, and the members of a sweep.
   in-process up to the launch (as `test_fuzz_config` does), where the resume check that follows the launch is
   called in its place.
 * Sweep members: `collsync-train -m KEY=a,b,c` with random values of a random key (Hydra's basic launcher, in-process):
-  every member either trains or is named in one line (`sweep member j (...)`), a failed member never stops the ones
-  after it, and the sweep ends with exit status 2 when any failed.
+  a member whose config is refused is named in one line (`sweep member j (...)`) before any member trains, and none
+  does; otherwise every member trains or is named (it failed while training) without stopping the ones after it;
+  the exit status is 2 when any was named.
 
 Derandomized and bounded like `test_fuzz_config` (`COLLSYNC_FUZZ_CROSS_EXAMPLES`, `COLLSYNC_FUZZ_SWEEP_EXAMPLES`).
 """
@@ -168,6 +169,8 @@ def run_sweep(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
         ):
             collsync.cli._train()
             status = 2 if failed else 0
+    except SystemExit as exc:  # every member checked first: those refused named, and the sweep ended before any
+        status = exc.code if isinstance(exc.code, int) else 1
     except Exception as exc:  # noqa: BLE001 - Hydra's refusal of the whole sweep: one line, or a bug
         check_one_line(exc, argv)
         status = 2
@@ -188,7 +191,7 @@ def test_every_sweep_member_trains_or_is_named_in_one_line(tmp_path: Path, capsy
     count = iter(range(10**6))
 
     @settings(max_examples=SWEEP_EXAMPLES, **SETTINGS)
-    @example(([], "sync.deadline", ["60", "soon", "600"]))  # member 1 is refused, member 2 still trains
+    @example(([], "sync.deadline", ["60", "soon", "600"]))  # member 1 is refused before member 0 trains
     @given(sweeps())
     def fuzz(drawn: tuple[list[str], str, list[str]]) -> None:
         args, key, values = drawn
@@ -215,8 +218,11 @@ def test_every_sweep_member_trains_or_is_named_in_one_line(tmp_path: Path, capsy
         }
         trained = {j for j in range(len(values)) if (sweep / str(j) / "trace.jsonl").is_file()}
         ran = sweep.is_dir() and any((sweep / str(j)).is_dir() for j in range(len(values)))
-        # Every member trained or was named, never both; a member named failed does not stop the ones after it.
-        if ran:
+        # Members refused by their config: named before the first trains, and none trains. Otherwise every member
+        # trained or was named (it failed while training), never both, and one failing does not stop the others.
+        if ran and "the sweep trained no member" in err:
+            assert named and not trained, (argv, err[-3000:])
+        elif ran:
             assert named | trained == set(range(len(values))) and not named & trained, (argv, err[-3000:])
         assert status == (2 if named or not ran else 0), (argv, status, err[-3000:])
         outcomes[f"{len(trained)} trained, {len(named)} named" if ran else "refused before the first member"] += 1
