@@ -194,8 +194,8 @@ def _check_members() -> None:
         schema.check_overrides(overrides)
         train.check(cfg)
 
-    given = [a for a in sys.argv[1:] if "=" in a or a.startswith("~")]  # the overrides, not -m and the like
-    found = sweep.refused(given, check, user_error)
+    given = [a for a in sys.argv[1:] if not a.startswith("-") and ("=" in a or a.startswith("~"))]  # not -m, -cn
+    found = sweep.refused(str(HydraConfig.get().job.config_name), given, check, user_error)
     for job, said, message in found:
         print(f"collsync-train: error: sweep member {job} ({said}): {message}", file=sys.stderr, flush=True)
     if found:

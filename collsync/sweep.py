@@ -25,18 +25,20 @@ def members(overrides: Sequence[str]) -> list[list[str]]:
 
 
 def refused(
+    config_name: str,
     overrides: Sequence[str],
     check: Callable[[DictConfig, dict[str, str], list[str]], None],
     user_error: Callable[[BaseException], str | None],
 ) -> list[tuple[int, str, str]]:
-    """(job number, its overrides, the one-line message) of every member that `check` refuses; a bug is raised."""
+    """(job number, its overrides, the one-line message) of every member of the sweep of `overrides` over the config
+    `config_name` that `check` refuses; a bug is raised."""
     from hydra import compose
 
     found = []
     for job, member in enumerate(members(overrides)):
         own = [o for o in member if not o.lstrip("+~").startswith("hydra")]  # what the member's line names
         try:
-            cfg = compose(config_name="config", overrides=member, return_hydra_config=True)
+            cfg = compose(config_name=config_name, overrides=member, return_hydra_config=True)
             choices = {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items()}
             with open_dict(cfg):
                 del cfg["hydra"]
