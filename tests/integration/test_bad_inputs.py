@@ -693,6 +693,8 @@ def test_a_sweep_with_a_bad_member_is_refused_before_the_first_trains(tmp_path: 
     argv = [*BASE, "optimizer.lr=1e6,0.05", "steps=30", "eval_every=5", "plots=false", f"hydra.sweep.dir={later}"]
     status, out, err = sweep_run(argv, tmp_path, zygote)
     assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
-    assert one_error(out + err).startswith("collsync-train: error: sweep member 0 (optimizer.lr="), err
+    error = one_error(out + err)
+    assert error.startswith("collsync-train: error: sweep member 0 (") and " optimizer.lr=1000000.0 " in error, error
+    assert "): guard: the test loss is " in error, error
     assert "the sweep ran every member; member(s) 0 failed (above)" in err
     assert "incomplete" not in json.loads((later / "1" / "summary.json").read_text())
