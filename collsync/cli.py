@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf import errors as oc_errors
 
-from collsync.runtime.spec import launched_under_mpi, launcher_rank
+from collsync.runtime.spec import SIZE_VARS, launched_under_mpi, launcher_rank
 
 CONF_DIR = str(files("collsync.conf"))
 
@@ -39,6 +40,9 @@ CONF_DIR = str(files("collsync.conf"))
 # (a bad config), rank 0 prints it and aborts the world meanwhile, so the line appears once; an error of this rank
 # alone is printed after the wait.
 _PRINT_GRACE_S = 3.0
+# Under a launcher, a shorter `sync.deadline` ends every start-up (issue 36: sync.deadline=0.01 timed out in MPI_Init
+# or in the start-up exchange on every rank), so it is refused before MPI starts.
+MIN_LAUNCH_DEADLINE_S = 1.0
 
 
 def _failed_job(report: str) -> str:
@@ -151,6 +155,8 @@ def _train(cfg: DictConfig) -> float | None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     checkpoint.stop_now("during start-up")  # a signal since `train()` began: nothing to save, end now
     checkpoint.install()  # SIGTERM / SIGINT / SIGUSR1: checkpoint, write the run folder, exit 128 + the signal
+    if _local_sweep() and int(HydraConfig.get().job.num) == 0:
+        _check_members()
     try:
         result = execute(cfg, out_dir, HydraConfig.get().runtime.choices, list(HydraConfig.get().overrides.task))
     except checkpoint.Preempted as exc:
@@ -170,16 +176,42 @@ def _train(cfg: DictConfig) -> float | None:
 _FAILED_MEMBERS: list[int] = []
 
 
-def _member_failed(message: str) -> bool:
-    """A sweep member's user error where one process runs the members in turn (`-m` with Hydra's basic launcher,
-    no MPI): one line naming the member, and the sweep goes on, since the members after it are runs of their own
-    (`-m sync.backups=1,8,2` runs 1 and 2). False where the error ends the process: a single run, or under MPI,
-    where a rank alone meeting it would leave the others in another member."""
+def _local_sweep() -> bool:
+    """Whether one process runs a sweep's members in turn (`-m` with Hydra's basic launcher, no MPI)."""
     config = HydraConfig.get()
     if config.mode != RunMode.MULTIRUN or launched_under_mpi():
         return False
-    if config.runtime.choices.get("hydra/launcher") != "basic":
+    return config.runtime.choices.get("hydra/launcher") == "basic"
+
+
+def _check_members() -> None:
+    """Before the first member of a local sweep trains: every member's config through the checks a run makes
+    before its first gradient (`collsync.sweep`); each member refused is named in one line, and nothing trains."""
+    from collsync import schema, sweep, train
+
+    def check(cfg: DictConfig, choices: dict[str, str], overrides: list[str]) -> None:
+        schema.check(cfg, choices)
+        schema.check_overrides(overrides)
+        train.check(cfg)
+
+    given = [a for a in sys.argv[1:] if not a.startswith("-") and ("=" in a or a.startswith("~"))]  # not -m, -cn
+    found = sweep.refused(str(HydraConfig.get().job.config_name), given, check, user_error)
+    for job, said, message in found:
+        print(f"collsync-train: error: sweep member {job} ({said}): {message}", file=sys.stderr, flush=True)
+    if found:
+        jobs = ", ".join(str(job) for job, _, _ in found)
+        print(f"collsync-train: the sweep trained no member: member(s) {jobs} refused (above)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _member_failed(message: str) -> bool:
+    """A sweep member's user error met while it trained, where one process runs the members in turn (each was
+    checked before the first trained: `_check_members`): one line naming the member, and the sweep goes on, since
+    the members after it are runs of their own. False where the error ends the process: a single run, or under
+    MPI, where a rank alone meeting it would leave the others in another member."""
+    if not _local_sweep():
         return False
+    config = HydraConfig.get()
     _close_progress_bars()
     said = " ".join(config.overrides.task)
     print(f"collsync-train: error: sweep member {config.job.num} ({said}): {message}", file=sys.stderr, flush=True)
@@ -230,9 +262,21 @@ def _check_world() -> None:
     from collsync.runtime import startup
     from collsync.runtime.mpi_world import world
 
+    deadline = _startup_deadline(sys.argv[1:])
+    if deadline is not None and deadline < MIN_LAUNCH_DEADLINE_S:
+        if launcher_rank() == 0:  # before MPI, where each rank would say it: the launcher's rank 0 alone
+            size = next((os.environ[v] for v in SIZE_VARS if os.environ.get(v, "").isdigit()), "?")
+            print(
+                f"collsync-train: rank 0 of {size} on {socket.gethostname()}: error: sync.deadline={deadline:g} is "
+                f"under {MIN_LAUNCH_DEADLINE_S:g} s, shorter than any launch's start-up (each rank imports torch and "
+                f"starts MPI within it): {startup.too_short(deadline)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        sys.exit(2)
     # MPI_Init (in `world`) waits until every rank the launcher started has joined: a rank that never does would hold
     # this one there for ever, where no deadline of the runtime's reaches. The start-up watchdog bounds it.
-    startup.arm("collsync-train", _startup_deadline(sys.argv[1:]))
+    startup.arm("collsync-train", deadline)
     try:
         world()
     except RuntimeError as exc:  # check_world_size's mismatch: MPI itself is up, but each rank is alone in it

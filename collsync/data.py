@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from collsync.bundled import digits_arrays
+from collsync.datacheck import MAX_CLASSES, check_split, too_many_classes
 from collsync.datapath import existing
 from collsync.idx import cache_dir, idx_files, read_idx
 
@@ -68,16 +69,15 @@ def _dataset(
     [0, classes) in both splits. `classes` defaults to the largest training label + 1 (at most twice the distinct
     training labels). `arrays` names the four arrays (x_train, ...) in messages: their keys in an .npz, their files."""
     for (x, y), (xs, ys), part in (((xtr, ytr), arrays[:2], "train"), ((xte, yte), arrays[2:], "test")):
-        _check_split(name, part, x, y, xs, ys)
+        check_split(name, part, x, y, xs, ys)
     if xte.shape[1:] != xtr.shape[1:]:
         raise ValueError(
             f"{name}: {arrays[2]} has rows of shape {xte.shape[1:]} but {arrays[0]} {xtr.shape[1:]}, the model's "
             f"input: both splits need rows of one shape"
         )
-    top, held = int(ytr.max()), len(np.unique(ytr))
-    if classes is None and top + 1 > 2 * held:  # 100000 among labels 0..9: a typo, not 100001 classes
-        why = f"which makes {top + 1} classes of which it holds {held}: labels must number the classes 0..K-1"
-        raise ValueError(f"{name}: {arrays[1]} row {int(np.argmax(ytr == top))} holds label {top}, {why}")
+    top = int(ytr.max())
+    if classes is None and (why := too_many_classes(top + 1, len(np.unique(ytr)), len(ytr))):
+        raise ValueError(f"{name}: {arrays[1]} row {int(np.argmax(ytr == top))} holds label {top}, which makes {why}")
     source = "" if classes is not None else f" (the classes {arrays[1]} holds: its largest label + 1)"
     classes = top + 1 if classes is None else classes
     for y, ys in ((ytr, arrays[1]), (yte, arrays[3])):
@@ -89,35 +89,6 @@ def _dataset(
         [torch.from_numpy(y.astype(np.int64)) for y in (ytr, yte)],
     )
     return Dataset(x_train, y_train, x_test, y_test, classes, name)
-
-
-def _check_split(name: str, part: str, x: np.ndarray, y: np.ndarray, xs: str, ys: str) -> None:
-    """One split's features `x` and labels `y` (called `xs`, `ys` in messages, which name the first bad row)."""
-    # Shapes and dtypes first: numpy's own errors on a 0-d array or text data name neither the file nor the split.
-    if x.ndim < 1 or y.ndim < 1:
-        raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have one row per sample")
-    for what, a in (("features", x), ("labels", y)):
-        if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
-            raise ValueError(f"{name}: {part} {what} must be numbers (got dtype {a.dtype})")
-    if y.ndim != 1 or len(x) != len(y):
-        raise ValueError(f"{name}: {part} features {x.shape} and labels {y.shape} must have the same rows")
-    if len(y) == 0:
-        raise ValueError(f"{name}: the {part} split is empty ({xs} and {ys} have 0 rows)")
-    # Float labels are accepted when they are whole numbers (np.savez of a float array is common).
-    if np.issubdtype(y.dtype, np.floating) and (bad := ~np.isfinite(y) | (y != np.round(y))).any():
-        row = int(np.argmax(bad))
-        raise ValueError(
-            f"{name}: {part} labels must be whole numbers (got dtype {y.dtype}; {ys} row {row} holds {y[row]})"
-        )
-    if y.min() < 0:
-        row = int(np.argmax(y < 0))
-        raise ValueError(f"{name}: {part} labels must be >= 0 (found {y.min():g}; {ys} row {row} holds {y[row]:g})")
-    if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
-        bad = np.argwhere(~np.isfinite(x))[0]
-        raise ValueError(
-            f"{name}: {part} features hold non-finite values ({int((~np.isfinite(x)).sum())}; the first, "
-            f"{x[tuple(bad)]}, in {xs} row {int(bad[0])}): clean the data before training"
-        )
 
 
 def _check_seed(name: str, seed: int) -> None:
@@ -189,6 +160,8 @@ def synthetic(
         raise ValueError(f"synthetic: {features=} must be >= 1")
     if classes < 2:
         raise ValueError(f"synthetic: {classes=} must be >= 2")
+    if classes > MAX_CLASSES:
+        raise ValueError(f"synthetic: {classes=} must be <= {MAX_CLASSES} (the output layer grows with it)")
     if samples < 2 * classes:
         raise ValueError(f"synthetic: {samples=} must be >= 2 * classes={2 * classes}")
     if not noise >= 0:

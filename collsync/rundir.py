@@ -67,7 +67,9 @@ def probe(out_dir: Path) -> None:
 def finished(out_dir: Path, resume: str | None, steps: int) -> dict[str, Any] | None:
     """With `resume=auto`, the summary of a run folder that already holds a finished run of at least `steps`
     updates (summary.json without `incomplete`), else None: a requeued or repeated command would otherwise go on
-    from the last periodic checkpoint, older than the end, and train the finished run again over its own folder."""
+    from the last periodic checkpoint, older than the end, and train the finished run again over its own folder.
+    With more `steps` the run goes on from that checkpoint; where the folder has none, starting afresh would
+    overwrite the finished run, which is refused."""
     if resume != "auto":
         return None
     try:
@@ -76,7 +78,15 @@ def finished(out_dir: Path, resume: str | None, steps: int) -> dict[str, Any] | 
         return None
     if not isinstance(done, dict) or done.get("incomplete") or not isinstance(done.get("updates"), int):
         return None
-    return done if done["updates"] >= steps else None
+    if done["updates"] >= steps:
+        return done
+    if not (out_dir / "checkpoint.pt").exists():  # checkpoint.NAME; a fresh start would overwrite the finished run
+        raise ValueError(
+            f"resume=auto: run folder {out_dir} holds a finished run of {done['updates']} updates and no checkpoint "
+            f"to go on from, so steps={steps} would start afresh over it: give it a new hydra.run.dir= (a run "
+            f"with checkpoint.every= set can later go on from its last checkpoint)"
+        )
+    return None
 
 
 def keep(payload: dict[str, Any]) -> Path:

@@ -61,6 +61,15 @@ def run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = ()) -> dict[s
     return _run_mpi(parts, flat, out_dir, overrides)
 
 
+def check(cfg: DictConfig) -> None:
+    """What `run` checks before the first gradient, without training (a sweep's members, `collsync.sweep`): the
+    launcher, the parts the factories build, their fit, and in the simulator the number of workers too (under MPI
+    the launch decides it)."""
+    instantiate(cfg.runtime).check_launcher()
+    parts = build(cfg)
+    check_fit(parts, parts.runtime.workers if parts.runtime.kind == "sim" else None)
+
+
 def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path, overrides: Sequence[str]) -> dict[str, Any] | None:
     """The MPI runtimes, as a client of `collsync.torch`: its `init` checks the world against the launcher, shares
     the cores among the ranks and gives each rank its role; `runtime=mpi` opens its shards as the API's server

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from collsync.trace import Trace
 
@@ -253,6 +254,17 @@ ROWS = [
         ["data=npz", "data.path={files}/label100000.npz"],
         "y_train row 17 holds label 100000, which makes 100001 classes of which it holds 11",
     ),
+    Row(
+        "npz-classes-past-rows",
+        ["data=npz", "data.path={files}/label9.npz"],
+        "y_train row 5 holds label 9, which makes 10 classes, more than its 6 rows (a class needs rows to learn from)",
+    ),
+    Row("synthetic-classes-bound", ["data=synthetic", "data.classes=100001"], "classes=100001 must be <= 100000"),
+    Row(
+        "stragglers-typo",
+        ["stragglers=gama_homogeneous"],
+        "stragglers=gama_homogeneous: no such option of stragglers (did you mean 'gamma_homogeneous'",
+    ),
     # Under a launcher.
     Row(
         "mpi-workers-contradict",
@@ -276,6 +288,13 @@ ROWS = [
         python=str(OPENMPI_PYTHON),
     ),
     Row("mpi-config-once", ["optimizer.lr=abc"], "optimizer.lr='abc' is not a number", ranks=2),
+    Row(  # issue 36: every rank timed out in the start-up, and the line named an empty list of lost ranks
+        "mpi-deadline-too-short",
+        ["sync.deadline=0.01"],
+        "error: sync.deadline=0.01 is under 1 s, shorter than any launch's start-up (each rank imports torch and "
+        "starts MPI within it): deadline=0.01s is too short for the start-up: give sync.deadline=60 or more",
+        ranks=3,
+    ),
     Row("mpi-backups-once", ["sync=backup", "sync.backups=2"], "backups=2 must be < workers=2", ranks=3),
     Row(
         "mpi-diverges-bar",
@@ -323,6 +342,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         **{**digits, "y_train": np.where(np.arange(60) == 17, 100000, np.arange(60) % 10)},
         x_test=rng.random((20, 64)),
     )
+    np.savez(d / "label9.npz", **{**ok, "y_train": np.array([0, 1, 2, 3, 4, 9])})  # 10 classes in 6 rows
     np.savez(d / "no-test.npz", **{**ok, "x_test": np.zeros((0, 2)), "y_test": np.zeros(0, dtype=int)})
     good = Trace(clock=lambda: 0.0)  # a run that trained: one update, evaluated
     good.extend(
@@ -557,28 +577,124 @@ def test_resume_auto_on_a_finished_run_trains_nothing(tmp_path: Path, files: Pat
     assert status == 0 and "Traceback" not in out + err, (out + err)[-4000:]
     assert f"run folder {run} is finished (5 updates, steps=5): nothing to train (pass steps > 5" in out + err
     assert before == {f.name: f.stat().st_mtime_ns for f in run.iterdir() if f.name in before}
+    # Its checkpoint (step 4) resumed with fewer steps: the run would end at once, without a word.
+    (tmp_path / "past").mkdir()
+    past = Row("past", ["sync=async", "checkpoint.every=2", "steps=3", "plots=false", f"resume={run}"], "")
+    status, out, err = launch(past, tmp_path / "past", files, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert one_error(out + err).endswith(
+        f"resume: {run / 'checkpoint.pt'} is at server step 4, already past steps=3: pass steps > 4 to train on from it"
+    )
     longer = Row("longer", [*args, "steps=7", f"hydra.run.dir={run}"], "")
     assert launch(longer, tmp_path / "longer", files, zygote)[0] == 0
     assert json.loads((run / "summary.json").read_text())["updates"] == 7
-
-
-def test_a_sweep_member_that_fails_does_not_stop_the_others(tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
-    """Issue 36: `-m sync.backups=1,8,2`: member 1 is refused in one line naming it, members 0 and 2 train, and the
-    exit status is 2 once the sweep is over."""
-    sweep = tmp_path / "mnt" / "sweep"
-    argv = ["-m", *BASE, "sync=backup", "sync.backups=1,8,2", "plots=false", f"hydra.sweep.dir={sweep}"]
-    if zygote is not None:  # `launch` puts its overrides first; -m goes before them
-        status, out, err = zygote.run(ENTRIES["collsync-train"], ["collsync-train", *argv], clean_env(), tmp_path)
-    else:
-        script = "import sys; from collsync.cli import train; sys.exit(train())"
-        proc = subprocess.run(
-            [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env()
-        )
-        status, out, err = proc.returncode, proc.stdout, proc.stderr
+    # No checkpoint to go on from: a fresh start would overwrite the finished run, so it is refused.
+    (run / "checkpoint.pt").unlink()
+    before = modified(run)
+    (tmp_path / "afresh").mkdir()
+    afresh = Row("afresh", [*args, "steps=9", f"hydra.run.dir={run}"], "")
+    status, out, err = launch(afresh, tmp_path / "afresh", files, zygote)
     assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
-    errors = [line for line in shown_lines(out + err) if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith("collsync-train: error: sweep member 1 ("), errors
-    assert " sync.backups=8 " in errors[0], errors[0]
-    assert errors[0].endswith("): backup: backups=8 must be < workers=8"), errors[0]
-    assert "the sweep ran every member; member(s) 1 failed (above)" in err
-    assert [(sweep / job / "trace.jsonl").is_file() for job in "012"] == [True, False, True]
+    assert one_error(out + err).endswith(
+        f"error: resume=auto: run folder {run} holds a finished run of 7 updates and no checkpoint to go on from, so "
+        "steps=9 would start afresh over it: give it a new hydra.run.dir= (a run with checkpoint.every= set can "
+        "later go on from its last checkpoint)"
+    )
+    assert before == modified(run)
+
+
+def modified(run: Path) -> dict[str, int]:
+    """The run folder's files and their modification times (not its log, to which each command adds its lines)."""
+    return {f.name: f.stat().st_mtime_ns for f in run.iterdir() if f.is_file() and f.suffix != ".log"}
+
+
+def one_error(text: str) -> str:
+    """The one error line of a command's output."""
+    errors = [line for line in shown_lines(text) if "error:" in line]
+    assert len(errors) == 1, text[-4000:]
+    return errors[0]
+
+
+def test_resume_under_mpi_of_a_finished_or_simulated_run(tmp_path: Path, files: Path, zygote: Zygote | None) -> None:
+    """Issue 36: under MPI, `resume=auto` on a finished run folder trained it again and replaced its params.pt; a
+    simulator's checkpoint resumed under MPI mixed simulated and wall seconds, and an MPI run's checkpoint resumed
+    in the simulator ended in a KeyError. The first says the run is finished (exit 0, the folder untouched); the
+    others are refused in one line naming both runtimes."""
+    if not MPIEXEC.exists():
+        pytest.skip("the venv has no mpiexec (install the mpich extra)")
+    args = ["sync=async", "checkpoint.every=2", "steps=5", "plots=false"]
+    for name in ("first", "again", "cross", "back"):
+        (tmp_path / name).mkdir()
+    assert launch(Row("first", args, ""), tmp_path / "first", files, zygote)[0] == 0
+    run = tmp_path / "first" / "mnt" / "run"
+    before = modified(run)
+    again = Row("again", [*args, "resume=auto", f"hydra.run.dir={run}"], "", ranks=3)
+    status, out, err = launch(again, tmp_path / "again", files, zygote)
+    assert status == 0 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert (out + err).count(f"run folder {run} is finished (5 updates, steps=5): nothing to train") == 1, out + err
+    assert before == modified(run)
+    cross = Row("cross", [*args, f"resume={run}"], "", ranks=3)
+    status, out, err = launch(cross, tmp_path / "cross", files, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert "was written by the simulator (simulated seconds), and this run is an MPI run (wall seconds)" in one_error(
+        out + err
+    )
+    # An MPI run's checkpoint holds no simulator state (`driver` empty): the same file with it emptied.
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    torch.save({**saved, "driver": {}}, tmp_path / "back" / "checkpoint.pt")
+    status, out, err = launch(Row("back", [*args, f"resume={tmp_path / 'back'}"], ""), tmp_path / "back", files, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    assert "was written by an MPI run (wall seconds), and this run is the simulator (simulated seconds)" in one_error(
+        out + err
+    )
+
+
+def test_an_option_given_with_a_method_replaces_it_with_a_warning(
+    tmp_path: Path, files: Path, zygote: Zygote | None
+) -> None:
+    """Issue 36, item 9, by the rule the README states: `optimizer=` (or `penalty=`) on the command line replaces
+    the `method=`'s own, and one warning names both; the run trains the command line's optimizer."""
+    status, out, err = launch(Row("method-optimizer", ["method=dana", "optimizer=adam"], ""), tmp_path, files, zygote)
+    assert status == 0 and "Traceback" not in out + err, (out + err)[-4000:]
+    warned = [line for line in (out + err).splitlines() if "WARNING" in line or "warning:" in line]
+    assert len(warned) == 1 and warned[0].endswith(
+        "method=dana sets optimizer=dana, and optimizer=adam on the command line replaces it: this run trains "
+        "optimizer=adam"
+    ), warned
+    config = OmegaConf.load(tmp_path / "mnt" / "run" / ".hydra" / "config.yaml")
+    assert config.optimizer._target_ == "collsync.rules.adam", config
+
+
+def sweep_run(argv: list[str], tmp_path: Path, zygote: Zygote | None) -> tuple[int, str, str]:
+    """`collsync-train -m ARGV` (`launch` puts its overrides first; -m goes before them)."""
+    if zygote is not None:
+        return zygote.run(ENTRIES["collsync-train"], ["collsync-train", "-m", *argv], clean_env(), tmp_path)
+    script = "import sys; from collsync.cli import train; sys.exit(train())"
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "-m", *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env()
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_a_sweep_with_a_bad_member_is_refused_before_the_first_trains(tmp_path: Path, zygote: Zygote | None) -> None:
+    """Issue 36: `-m sync.backups=1,8,2` trained member 0, then stopped at member 1. Every member is checked before
+    the first trains: member 1 is named in one line, nothing trains, and the exit status is 2. A member that fails
+    only while it trains (it diverges) is named and the members after it still train."""
+    sweep = tmp_path / "mnt" / "sweep"
+    argv = [*BASE, "sync=backup", "sync.backups=1,8,2", "plots=false", f"hydra.sweep.dir={sweep}"]
+    status, out, err = sweep_run(argv, tmp_path, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    error = one_error(out + err)
+    assert error.startswith("collsync-train: error: sweep member 1 (") and " sync.backups=8 " in error, error
+    assert error.endswith("): backup: backups=8 must be < workers=8"), error
+    assert "the sweep trained no member: member(s) 1 refused (above)" in err
+    assert not list(sweep.rglob("trace.jsonl"))
+    later = tmp_path / "mnt" / "later"
+    argv = [*BASE, "optimizer.lr=1e6,0.05", "steps=30", "eval_every=5", "plots=false", f"hydra.sweep.dir={later}"]
+    status, out, err = sweep_run(argv, tmp_path, zygote)
+    assert status == 2 and "Traceback" not in out + err, (out + err)[-4000:]
+    error = one_error(out + err)
+    assert error.startswith("collsync-train: error: sweep member 0 (") and " optimizer.lr=1000000.0 " in error, error
+    assert "): guard: the test loss is " in error, error
+    assert "the sweep ran every member; member(s) 0 failed (above)" in err
+    assert "incomplete" not in json.loads((later / "1" / "summary.json").read_text())

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from collsync import checkpoint, rundir, schema
-from collsync.data import npz
+from collsync.data import npz, synthetic
+from collsync.datacheck import MAX_CLASSES, too_many_classes
 from collsync.runs.parts import Parts, _check_injected
 from collsync.runs.resume import resumed
 from collsync.stragglers import gamma_heterogeneous, none
@@ -65,6 +66,9 @@ def test_a_checkpoint_past_steps_is_refused_naming_both(tmp_path: Path) -> None:
 def test_a_finished_run_folder_is_found_only_under_resume_auto(tmp_path: Path) -> None:
     (tmp_path / "summary.json").write_text(json.dumps({"updates": 60}))
     assert rundir.finished(tmp_path, "auto", 60) == {"updates": 60}
+    with pytest.raises(ValueError, match=r"holds a finished run of 60 updates and no checkpoint to go on from, so "):
+        rundir.finished(tmp_path, "auto", 61)  # more steps, no checkpoint: a fresh start would overwrite the run
+    (tmp_path / checkpoint.NAME).write_bytes(b"")
     assert rundir.finished(tmp_path, "auto", 61) is None  # more steps: go on from the checkpoint
     assert rundir.finished(tmp_path, None, 60) is None
     assert rundir.finished(tmp_path, str(tmp_path), 60) is None
@@ -82,6 +86,19 @@ def test_a_label_far_above_the_others_is_refused(tmp_path: Path) -> None:
         npz(str(tmp_path / "typo.npz"))
     np.savez(tmp_path / "gap.npz", **arrays, y_train=np.where(y == 3, 12, y))  # a few classes unseen: accepted
     assert npz(str(tmp_path / "gap.npz")).classes == 13
+
+
+def test_more_classes_than_rows_or_the_bound_are_refused(tmp_path: Path) -> None:
+    """Issue 36: the classes the labels make are bounded by the training rows and by `MAX_CLASSES`."""
+    rng = np.random.default_rng(0)
+    arrays = {"x_train": rng.random((6, 2)), "x_test": rng.random((2, 2)), "y_test": np.arange(2)}
+    np.savez(tmp_path / "rows.npz", **arrays, y_train=np.array([0, 1, 2, 3, 4, 9]))  # 10 classes, 6 rows
+    with pytest.raises(ValueError, match=r"row 5 holds label 9, which makes 10 classes, more than its 6 rows \("):
+        npz(str(tmp_path / "rows.npz"))
+    assert too_many_classes(MAX_CLASSES + 1, MAX_CLASSES, 2 * MAX_CLASSES).startswith("100001 classes, more than")
+    assert too_many_classes(MAX_CLASSES, MAX_CLASSES, MAX_CLASSES) == ""
+    with pytest.raises(ValueError, match=r"^synthetic: classes=100001 must be <= 100000"):
+        synthetic(classes=MAX_CLASSES + 1)
 
 
 def test_straggler_times_that_would_overflow_the_clock_are_refused() -> None:
