@@ -126,7 +126,8 @@ def _name_code(name: str | None) -> int:
 class _Agreement:
     """The check that every worker calls a collective with the same tensors: Horovod's coordinator refuses an
     allreduce whose type, shape, op or scale factors differ between ranks ("Mismatched allreduce tensor shapes",
-    "Mismatched data types"), where MPI would return each rank its own shape, wrong values, or abort the job.
+    "Mismatched data types"), where MPI would return each rank its own shape, wrong values, or abort the job. The
+    name is checked too: named operations called in another order on another worker are refused, not combined.
 
     One small MPI_Iallreduce (MAX) per operation (a grouped operation is one) on a communicator of its own beside
     the data's (`_headers`), so headers are matched in the order the operations are called whatever order their
