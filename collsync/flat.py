@@ -25,7 +25,9 @@ class ParamBuffer:
     without a reduction of its own).
     """
 
-    def __init__(self, params: list[torch.Tensor], *, flag: bool = False, sparse_as_dense: bool = False) -> None:
+    def __init__(
+        self, params: list[torch.Tensor], *, flag: bool = False, sparse_as_dense: bool = False, sparse: bool = False
+    ) -> None:
         if not params:
             raise ValueError("ParamBuffer: no parameters")
         self.params = params
@@ -34,6 +36,10 @@ class ParamBuffer:
         self.numel = sum(self.sizes)
         self.flag = flag
         self.sparse_as_dense = sparse_as_dense
+        # With `sparse`, a sparse gradient is held aside here (parameter index -> gradient) and its slice is zero:
+        # the caller reduces it on its own (Horovod allgathers a sparse gradient's indices and values).
+        self.sparse_aside = sparse and not sparse_as_dense
+        self.sparse: dict[int, torch.Tensor] = {}
         self.buf: Flat = torch.zeros(self.numel + int(flag), dtype=params[0].dtype)
         self.views = [self.buf[a : a + n] for a, n in zip(self.starts, self.sizes, strict=True)]
 
@@ -44,9 +50,12 @@ class ParamBuffer:
         if not active:
             self.buf.zero_()
             return self.buf
-        for p, view in zip(self.params, self.views, strict=True):
+        for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):
             if p.grad is None:
                 view.zero_()
+            elif p.grad.is_sparse and self.sparse_aside:
+                view.zero_()
+                self.sparse[i] = p.grad
             elif p.grad.is_sparse:
                 if not self.sparse_as_dense:
                     raise NotImplementedError(
@@ -59,8 +68,10 @@ class ParamBuffer:
 
     def set_grads(self, flat: Flat) -> None:
         """Every parameter's `.grad` from its slice of `flat` (copied: `flat` may be reused)."""
-        for p, a, n in zip(self.params, self.starts, self.sizes, strict=True):
+        for i, (p, a, n) in enumerate(zip(self.params, self.starts, self.sizes, strict=True)):
             src = flat[a : a + n].view_as(p)
+            if i in self.sparse:
+                continue  # held aside, reduced on its own
             if p.grad is None:
                 p.grad = src.clone()
             elif p.grad.is_sparse:

@@ -179,6 +179,10 @@ class BucketReducer:
         g = p.grad
         if g is None:
             view.zero_()
+        elif g.is_sparse and self.buffer.sparse_aside:
+            view.zero_()  # held aside for a reduction of its own (see `ParamBuffer`); `p.grad` stays sparse
+            self.buffer.sparse[index] = g
+            return
         elif g.is_sparse:
             raise NotImplementedError(
                 "DistributedOptimizer: sparse gradients are reduced only with sparse_as_dense=True"

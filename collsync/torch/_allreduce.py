@@ -61,7 +61,8 @@ class AllreduceMode(Mode):
         for p in params:
             groups.setdefault(p.dtype, []).append(p)
         self.flats = [
-            ParamBuffer(ps, flag=i == 0, sparse_as_dense=sparse_as_dense) for i, ps in enumerate(groups.values())
+            ParamBuffer(ps, flag=i == 0, sparse_as_dense=sparse_as_dense, sparse=True)
+            for i, ps in enumerate(groups.values())
         ]
         self.counts = {id(p): 0 for p in params}
         self.synchronized = False
@@ -150,14 +151,30 @@ class AllreduceMode(Mode):
     def synchronize(self) -> None:
         if self.reducer is not None:
             self.reducer.wait()
-            self.synchronized = True
-            return
-        means = self.reduce([f.grads() for f in self.flats])
-        for flat, mean in zip(self.flats, means, strict=True):
-            flat.set_grads(mean)
-        for key in self.counts:
-            self.counts[key] = 0
+        else:
+            means = self.reduce([f.grads() for f in self.flats])
+            for flat, mean in zip(self.flats, means, strict=True):
+                flat.set_grads(mean)
+            for key in self.counts:
+                self.counts[key] = 0
+        self._sparse()
         self.synchronized = True
+
+    def _sparse(self) -> None:
+        """The sparse gradients (an `nn.Embedding(sparse=True)`'s, without `sparse_as_dense`), held aside by the
+        buffers: each reduced as Horovod reduces it, the allgather of its indices and values
+        (`ops.sparse_allreduce_async`: the sum of the workers' sparse gradients, uncoalesced, divided by the number
+        of workers for Average), all started before any is waited for, in parameter order on every worker."""
+        for flat in self.flats:
+            if not flat.sparse:
+                continue
+            waits = [
+                (flat.params[i], ops.sparse_allreduce_async(g, op=self.op, process_set=self.process_set))
+                for i, g in sorted(flat.sparse.items())
+            ]
+            flat.sparse.clear()
+            for p, wait in waits:
+                p.grad = wait()
 
     def step(self, base: Callable[[Any], Any], closure: Any, sync: bool) -> Any:
         if sync:

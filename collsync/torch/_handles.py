@@ -22,6 +22,20 @@ class _Handle:
             self.result, self.done = self.finish(), True
         return self.done
 
+    def settled(self) -> bool:
+        """Whether the operation has completed, found without starting anything: known done (tested or waited), or
+        one whose data started after its agreement (`_ops_base._AfterAgreement`, started by a later operation or a
+        barrier) and has arrived; an error counts as done. One that needs no agreement (a single worker) is
+        settled once tested."""
+        if self.done:
+            return True
+        if not getattr(self.request, "begun", False):
+            return False
+        try:
+            return self.test()
+        except Exception:  # noqa: BLE001 - it stays the handle's, for `synchronize` to raise
+            return True
+
     def wait(self) -> Any:
         if not self.done:
             if self.request is not None:
@@ -55,13 +69,19 @@ class _Requests:
 
 _HANDLES: dict[int, _Handle] = {}
 _IDS = itertools.count(1)
-_NAMES: dict[str, int] = {}  # the names of the operations in flight (until synchronized) -> their handles
+_NAMES: dict[str, int] = {}  # the names of the operations in flight (until completed) -> their handles
 
 
 def _unnamed(name: str | None, what: str) -> None:
     """Refuse an operation named as one still in flight, before it posts anything (Horovod's duplicate-name error:
-    its coordinator matches operations by name, so two in flight under one name cannot be told apart)."""
-    if name is not None and name in _NAMES:
+    its coordinator matches operations by name, so two in flight under one name cannot be told apart). As in
+    Horovod, a name is free again once its operation has completed, synchronized or not."""
+    if name is None or name not in _NAMES:
+        return
+    held = _HANDLES.get(_NAMES[name])
+    if held is None or held.settled():
+        del _NAMES[name]
+    else:
         raise ValueError(
             f"{what}: requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor "
             f"that is currently being processed (name={name!r}). If you want to request another tensor, use a "

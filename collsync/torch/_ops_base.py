@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +17,9 @@ import numpy as np
 import torch
 
 from collsync.torch import _stall
+from collsync.torch._compression import Compression as Compression
+from collsync.torch._compression import FP16Compressor as FP16Compressor
+from collsync.torch._compression import NoneCompressor as NoneCompressor
 from collsync.torch._handles import _Handle as _Handle
 from collsync.torch._handles import _handle as _handle
 from collsync.torch._handles import _register as _register
@@ -53,38 +57,6 @@ class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
     def __init__(self, skip_sync: bool) -> None:
         super().__init__(skip_sync)
         self.skip_sync = skip_sync
-
-
-class NoneCompressor:
-    """No compression (Horovod's `Compression.none`)."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor
-
-
-class FP16Compressor:
-    """Floating-point tensors travel as float16 and come back in their own dtype (Horovod's `Compression.fp16`)."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        dtype = tensor.dtype
-        return (tensor.to(torch.float16) if dtype.is_floating_point else tensor), dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
-
-
-class Compression:
-    """Horovod's compression choices for gradients on the wire."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
 
 
 def _op(op: int | None, average: bool | None, what: str) -> int:
@@ -137,18 +109,25 @@ def _bits(value: float) -> int:
 
 
 # What an agreement header says an operation is (Horovod's request types, for the ones a joined worker follows).
-ALLREDUCE, ALLGATHER, BROADCAST = 1, 2, 3
+ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER = 1, 2, 3, 4
 _LOW = -(1 << 62)  # a joined worker's header fields: below any real one, so the maximum is the others'
 # The header's first fields are combined by their maximum only: whether some worker is still active, whether some
 # worker has joined, the rank that joins in this round, whether the operation blocks. The others are checked for
 # agreement (their maximum and minimum must be equal), the minimum coming back as the maximum of the negations.
 _ACTIVE, _JOINED, _LAST, _BLOCKING, _CHECKED = 0, 1, 2, 3, 4
+_SIGNATURE = 9  # the checked fields: kind, tensors, dtypes, shapes, op, prescale, postscale, root, name
+
+
+def _name_code(name: str | None) -> int:
+    """A name as a header field (CRC-32: the same in every process, unlike `hash` of a str); 0 for an unnamed op."""
+    return 0 if name is None else 1 + zlib.crc32(name.encode())
 
 
 class _Agreement:
     """The check that every worker calls a collective with the same tensors: Horovod's coordinator refuses an
     allreduce whose type, shape, op or scale factors differ between ranks ("Mismatched allreduce tensor shapes",
-    "Mismatched data types"), where MPI would return each rank its own shape, wrong values, or abort the job.
+    "Mismatched data types"), where MPI would return each rank its own shape, wrong values, or abort the job. The
+    name is checked too: named operations called in another order on another worker are refused, not combined.
 
     One small MPI_Iallreduce (MAX) per operation (a grouped operation is one) on a communicator of its own beside
     the data's (`_headers`), so headers are matched in the order the operations are called whatever order their
@@ -168,13 +147,15 @@ class _Agreement:
         kind: int = ALLREDUCE,
         root: int = -1,
         blocking: bool = False,
+        name: str | None = None,
     ) -> None:
         self.comm, self.what, self.op, self.pre, self.post, self.kind = comm, what, op, pre, post, kind
-        self.root = root
+        self.root, self.name = root, name
         self.dtypes = tuple(t.dtype for t in tensors)
         self.shapes = tuple(tuple(t.shape) for t in tensors)
         codes = tuple(_DTYPE_CODES.get(d, -1) for d in self.dtypes)
         sig = [kind, len(tensors), hash(codes) & _FIELD, hash(self.shapes) & _FIELD, op, _bits(pre), _bits(post), root]
+        sig.append(_name_code(name))  # named operations called in another order on another worker are told apart
         self.buf = np.array([1, 0, _LOW, int(blocking), *sig, *(-v for v in sig)], dtype=np.int64)
         self.hcomm = _headers(comm)
         self.side = _HEADERS[id(comm)][2]
@@ -196,6 +177,7 @@ class _Agreement:
             ("prescale factor", self.pre),
             ("postscale factor", self.post),
             ("root rank", self.root),
+            ("name", self.name),
         )
 
     def start(self) -> _Agreement:
@@ -255,7 +237,7 @@ def join_collectives(comm: Any) -> int:
 
     _flush(comm)
     hcomm = _headers(comm)
-    width = _CHECKED + 2 * 8
+    width = _CHECKED + 2 * _SIGNATURE
     last = comm.Get_rank()
     while True:
         buf = np.full(width, _LOW, dtype=np.int64)
@@ -303,20 +285,30 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-# Per data communicator: its headers' communicator (a duplicate, made at its first header) and the operations whose
-# header is posted and whose data is not yet: their data starts in the order they were called, on every worker.
-_HEADERS: dict[int, tuple[Any, Any, _stall.Side]] = {}
+# Per data communicator: its headers' communicator (a duplicate, made at its first header), the stall check's, the
+# barrier's, and the operations whose header is posted and whose data is not yet: their data starts in the order
+# they were called, on every worker.
+_HEADERS: dict[int, tuple[Any, Any, _stall.Side, Any]] = {}
 _PENDING: dict[int, deque[_AfterAgreement]] = {}
 
 
 def _headers(comm: Any) -> Any:
     """The communicator `comm`'s agreement headers travel on (`MPI_Comm_dup`, collective: every worker makes it at
-    the same call, its first header or its `join`), made with the stall check's (`_stall.Side`). The entry holds
-    `comm` itself, so its id stays its own."""
+    the same call, its first header, `join` or `barrier`), made with the stall check's (`_stall.Side`) and the
+    barrier's (`barrier_comm`). The entry holds `comm` itself, so its id stays its own."""
     entry = _HEADERS.get(id(comm))
     if entry is None or entry[0] is not comm:
-        entry = _HEADERS[id(comm)] = (comm, comm.Dup(), _stall.STALL.side(comm.Dup()))
+        entry = _HEADERS[id(comm)] = (comm, comm.Dup(), _stall.STALL.side(comm.Dup()), comm.Dup())
     return entry[1]
+
+
+def barrier_comm(comm: Any) -> Any:
+    """The communicator `barrier()` on `comm` runs on: a duplicate of its own, so that a barrier is ordered neither
+    with the data nor with the headers of the operations in flight. A worker may call `barrier()` while an
+    operation it started waits for the others, who start that operation only after the barrier (Horovod's
+    coordinator matches operations by name, so there the barrier does not wait for it either)."""
+    _headers(comm)
+    return _HEADERS[id(comm)][3]
 
 
 def _flush(comm: Any) -> None:
@@ -329,7 +321,7 @@ def _flush(comm: Any) -> None:
         queue.popleft().begin()
 
 
-def _progress(comm: Any) -> None:
+def progress(comm: Any) -> None:
     """Start the data of the oldest operations on `comm` whose headers have arrived, without waiting: a worker in
     `join()` moves each operation's data before it answers the next header, so a later header completes only once
     the earlier data has started."""
@@ -376,7 +368,7 @@ class _AfterAgreement:
 
     def Test(self) -> bool:  # noqa: N802 - MPI.Request's name, which _Handle calls
         if not self.begun:
-            _progress(self.agreement.comm)
+            progress(self.agreement.comm)
             if not self.begun:
                 return False
         if self.agreement.error is not None:

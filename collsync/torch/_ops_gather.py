@@ -16,7 +16,7 @@ from collsync.torch._ops_base import (
     ALLGATHER,
     BROADCAST,
     Average,
-    _agree,
+    _AfterAgreement,
     _Agreement,
     _check,
     _comm,
@@ -25,45 +25,54 @@ from collsync.torch._ops_base import (
     _register,
     _Requests,
     _unnamed,
+    barrier_comm,
     global_process_set,
     join_collectives,
+    progress,
     synchronize,
     words,
 )
 from collsync.torch._ops_reduce import allreduce, grouped_allreduce
-from collsync.torch._process_sets import set_root
+from collsync.torch._process_sets import set_comm, set_root
 from collsync.torch._world import state
 
 
-def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str) -> _Handle:
+def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str, name: str | None = None) -> _Handle:
     """Start the allgathers of `tensors` (one Iallgatherv each) after one agreement on their dtypes and shapes
-    (all but the first dimension must agree, as Horovod checks); the handle's `wait()` returns the outputs."""
-    comm, _ = _comm(process_set, what)
+    (all but the first dimension must agree, as Horovod checks), posted without waiting for the other workers
+    (`_AfterAgreement`); once it has arrived, the workers' first dimensions are gathered (in step on every worker:
+    operations start in their calling order) and the data moves. The handle's `wait()` returns the outputs."""
+    comm, _ = set_comm(process_set, what)  # no `_flush`: this data starts after the data called before it
     for t in tensors:
         _check(t, what)
     srcs = [t.detach().contiguous() for t in tensors]
     srcs = [s.reshape(1) if s.dim() == 0 else s for s in srcs]
-    shapes = tuple((str(s.dtype), tuple(s.shape[1:])) for s in srcs)
-    if comm.Get_size() > 1:  # refused while a worker has joined, as in Horovod (the header carries the join)
-        _Agreement(comm, [s[:0] for s in srcs], Average, 1.0, 1.0, what, kind=ALLGATHER).now()
-    metas = _agree(comm, (shapes, tuple(s.shape[0] for s in srcs)), what, vary=(1,))
-    outs, requests = [], []
-    for i, src in enumerate(srcs):
-        rows = [m[1][i] for m in metas]
-        inner = int(np.prod(src.shape[1:])) if src.dim() > 1 else 1
-        out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
-        mpi_t = _mpi_type(src.dtype, what)
-        counts = [r * inner for r in rows]
-        requests.append(comm.Iallgatherv([words(src), mpi_t], [words(out), (counts, None), mpi_t]))
-        outs.append(out)
+    outs: list[torch.Tensor] = []
 
-    return _Handle(_Requests(requests), lambda: outs)
+    def start() -> Any:
+        rows = comm.allgather(tuple(s.shape[0] for s in srcs))
+        requests = []
+        for i, src in enumerate(srcs):
+            counts = [r[i] for r in rows]
+            inner = int(np.prod(src.shape[1:])) if src.dim() > 1 else 1
+            out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype)
+            mpi_t = _mpi_type(src.dtype, what)
+            sizes = [c * inner for c in counts]
+            requests.append(comm.Iallgatherv([words(src), mpi_t], [words(out), (sizes, None), mpi_t]))
+            outs.append(out)
+        return _Requests(requests)
+
+    if comm.Get_size() == 1:
+        return _Handle(start(), lambda: outs)
+    # Refused while a worker has joined, as in Horovod (the header carries the join).
+    agreement = _Agreement(comm, [s[:0] for s in srcs], Average, 1.0, 1.0, what, kind=ALLGATHER, name=name)
+    return _Handle(_AfterAgreement(agreement, start), lambda: outs)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> int:
     """Start an allgather: the workers' tensors concatenated along dimension 0 (sizes there may differ)."""
     _unnamed(name, "allgather_async")
-    handle = _gather_start([tensor], process_set, "allgather")
+    handle = _gather_start([tensor], process_set, "allgather", name)
     finish = handle.finish
     handle.finish = lambda: finish()[0]
     return _register(handle, name)
@@ -83,7 +92,7 @@ def grouped_allgather_async(
     """Start allgathers of several tensors as one operation; `synchronize` returns the list of outputs."""
     _unnamed(name, "grouped_allgather_async")
     tensors = _inputs.tensors(tensors, "grouped_allgather_async")
-    return _register(_gather_start(tensors, process_set, "grouped_allgather"), name)
+    return _register(_gather_start(tensors, process_set, "grouped_allgather", name), name)
 
 
 def grouped_allgather(
@@ -121,16 +130,16 @@ def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> int:
     """Start an in-place broadcast of `tensor` from worker `root_rank` (a worker rank, in process sets too, as in
-    Horovod), after one agreement on dtype, shape and root (`_Agreement`: a disagreement raises
-    HorovodInternalError)."""
+    Horovod), after one agreement on dtype, shape, root and name (`_Agreement`, posted without waiting for the
+    other workers: a disagreement raises HorovodInternalError from `synchronize`)."""
     _unnamed(name, "broadcast_async_")
-    comm, ranks = _comm(process_set, "broadcast")
+    comm, ranks = set_comm(process_set, "broadcast")  # no `_flush`: queued after the operations called before
     _check(tensor, "broadcast")
-    if comm.Get_size() > 1:
-        _Agreement(comm, [tensor], Average, 1.0, 1.0, "broadcast", kind=BROADCAST, root=root_rank).now()
     root = set_root(root_rank, ranks, comm.Get_size(), "broadcast")
     buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-    request = comm.Ibcast([words(buf), _mpi_type(buf.dtype, "broadcast")], root=root)
+
+    def start() -> Any:
+        return comm.Ibcast([words(buf), _mpi_type(buf.dtype, "broadcast")], root=root)
 
     def finish() -> torch.Tensor:
         if buf.data_ptr() != tensor.data_ptr():
@@ -138,7 +147,10 @@ def broadcast_async_(
                 tensor.copy_(buf)
         return tensor
 
-    return _register(_Handle(request, finish), name)
+    if comm.Get_size() == 1:
+        return _register(_Handle(start(), finish), name)
+    agreement = _Agreement(comm, [tensor], Average, 1.0, 1.0, "broadcast", kind=BROADCAST, root=root_rank, name=name)
+    return _register(_Handle(_AfterAgreement(agreement, start), finish), name)
 
 
 def broadcast_async(
@@ -193,9 +205,16 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = globa
 
 def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every worker of the process set gets here (an Ibarrier tested with pauses: ranks sharing cores
-    do not spin)."""
-    comm, _ = _comm(process_set, "barrier")
-    shutdown(comm, while_waiting=_stall.STALL.tick)  # answers the other workers' stall questions meanwhile
+    do not spin). The operations in flight are not waited for, as in Horovod: the barrier runs on a communicator
+    of its own (`barrier_comm`), and while it waits it starts those whose agreement has arrived (`progress`), so
+    a worker may start a named operation, enter the barrier, and meet the others' same operation after it."""
+    comm, _ = set_comm(process_set, "barrier")
+
+    def meanwhile() -> None:
+        progress(comm)
+        _stall.STALL.tick()  # answers the other workers' stall questions meanwhile
+
+    shutdown(barrier_comm(comm), while_waiting=meanwhile)
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
@@ -259,8 +278,9 @@ def join(device: int = -1) -> int:
     every worker has joined, and their allgathers and broadcasts meanwhile raise HorovodInternalError, as in
     Horovod (`_ops_base.join_collectives`). Returns the rank that joined last, the same on every worker."""
     st = state("join")
-    if st.joiner is not None:
-        return st.joiner()
+    optimizer = None if st.joiner is None else st.joiner()
+    if optimizer is not None:
+        return int(optimizer.join())
     if st.comm.Get_size() == 1:
         return 0
     return join_collectives(st.comm)

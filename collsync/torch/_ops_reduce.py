@@ -44,13 +44,14 @@ def _allreduce_start(
     blocking: bool = False,
     process_set: Any = global_process_set,
     check: bool = True,
+    name: str | None = None,
 ) -> _Handle:
     """Start (or with `blocking`, run: one MPI_Allreduce, the fastest where the caller waits anyway) the reduction
     of `tensor` into `output` over the process set's workers; the handle's `wait()` applies the post-scaling (for
     Average, 1/size of the set) and returns `output`. With `check`, the workers first agree that they reduce the
     same type and shape with the same op and scale factors (`_Agreement`; HorovodInternalError on every worker if
-    not, with `output` untouched)."""
-    handle = _allreduce_many([tensor], [output], op, prescale, postscale, what, blocking, process_set, check)
+    not, with `output` untouched); a `name` is checked too."""
+    handle = _allreduce_many([tensor], [output], op, prescale, postscale, what, blocking, process_set, check, name)
     finish = handle.finish
     handle.finish = lambda: finish()[0]
     return handle
@@ -66,6 +67,7 @@ def _allreduce_many(
     blocking: bool = False,
     process_set: Any = global_process_set,
     check: bool = True,
+    name: str | None = None,
 ) -> _Handle:
     """`_allreduce_start` of several tensors as one operation (one agreement for the group, then one MPI
     allreduce per tensor); the handle's `wait()` returns the outputs."""
@@ -106,7 +108,7 @@ def _allreduce_many(
     if not check or comm.Get_size() == 1:
         _flush(comm)
         return _Handle(start(), finish)
-    agreement = _Agreement(comm, tensors, op, prescale, postscale, what, blocking=blocking)
+    agreement = _Agreement(comm, tensors, op, prescale, postscale, what, blocking=blocking, name=name)
     if blocking:
         _flush(comm)
         agreement.now()
@@ -127,7 +129,9 @@ def allreduce_async_(
     op = _op(op, average, "allreduce_async_")
     _unnamed(name, "allreduce_async_")
     return _register(
-        _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set),
+        _allreduce_start(
+            tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set, name=name
+        ),
         name,
     )
 
@@ -147,7 +151,9 @@ def allreduce_async(
     _check(tensor, "allreduce_async")
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _register(
-        _allreduce_start(tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set),
+        _allreduce_start(
+            tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set, name=name
+        ),
         name,
     )
 
@@ -221,7 +227,7 @@ def grouped_allreduce_async_(
     tensors = _inputs.tensors(tensors, "grouped_allreduce_async_")
     return _register(
         _allreduce_many(
-            tensors, tensors, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set
+            tensors, tensors, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set, name=name
         ),
         name,
     )

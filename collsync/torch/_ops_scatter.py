@@ -2,9 +2,11 @@
 and `reducescatter` / `grouped_reducescatter` (MPI_Reduce_scatter), each with its `_async` form and the gradient
 Horovod defines for it (see `collsync.torch.ops`).
 
-Every one first gathers the workers' dtypes and shapes (and an alltoall's splits) in one small allgather: Horovod's
-coordinator checks the same before it runs a collective, and a disagreement raises `HorovodInternalError` on every
-worker instead of hanging in MPI.
+Horovod's coordinator checks that the workers agree on a collective before it runs it; a disagreement raises
+`HorovodInternalError` on every worker instead of hanging in MPI. A reducescatter agrees through the agreement
+header the allreduces use (`_ops_base._Agreement`: dtypes, shapes, op, scale factors, name), posted without waiting
+for the other workers, so `reducescatter_async` returns at once; an alltoall gathers the workers' dtypes, shapes
+and splits in one small allgather first.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import torch
 
 from collsync.torch import _inputs
 from collsync.torch._ops_base import (
+    REDUCESCATTER,
     Adasum,
     Average,
     Compression,
     Sum,
+    _AfterAgreement,
     _agree,
+    _Agreement,
     _check,
     _comm,
     _Handle,
@@ -36,6 +41,7 @@ from collsync.torch._ops_base import (
     words,
 )
 from collsync.torch._ops_gather import grouped_allgather
+from collsync.torch._process_sets import set_comm
 
 
 def _inner(t: torch.Tensor) -> int:
@@ -131,36 +137,44 @@ def _scatter_rows(rows: int, size: int) -> list[int]:
 
 
 def _reducescatter_start(
-    tensors: list[torch.Tensor], op: int, process_set: Any, pre: float, post: float, what: str
+    tensors: list[torch.Tensor], op: int, process_set: Any, pre: float, post: float, what: str, name: str | None = None
 ) -> _Handle:
+    """Start the reducescatters of `tensors` (one Ireduce_scatter each) after one agreement on their dtypes,
+    shapes, op and scale factors, posted without waiting for the other workers (`_AfterAgreement`)."""
     if op == Adasum:
         raise NotImplementedError(f"{what}: op=Adasum is not supported (Horovod's reducescatter refuses it too)")
     if op not in (Average, Sum):
         raise NotImplementedError(f"{what}: Horovod's reducescatter supports only Average and Sum")
-    comm, _ = _comm(process_set, what)
+    comm, _ = set_comm(process_set, what)  # no `_flush`: queued after the operations called before
     for t in tensors:
         _check(t, what)
         if t.dim() == 0:
             raise ValueError(f"{what}: a scalar cannot be scattered (the tensor needs a first dimension)")
-    _agree(comm, tuple((str(t.dtype), tuple(t.shape)) for t in tensors), what)
     size, me = comm.Get_size(), comm.Get_rank()
-    post = post / size if op == Average else post
-    requests, outs = [], []
-    for t in tensors:
-        buf = t.detach().clone(memory_format=torch.contiguous_format)
-        scale_(buf, pre)
-        rows = _scatter_rows(t.shape[0], size)
-        out = torch.empty((rows[me], *t.shape[1:]), dtype=t.dtype)
-        counts = [r * _inner(buf) for r in rows]
-        mpi_t = _mpi_type(buf.dtype, what)
-        op_mpi = _reduce_op(buf.dtype, op)
-        requests.append(comm.Ireduce_scatter([words(buf), mpi_t], [words(out), mpi_t], counts, op=op_mpi))
-        outs.append((buf, out))  # buf is kept alive until the request completes
+    scaled = post / size if op == Average else post
+    outs: list[tuple[torch.Tensor, torch.Tensor]] = []  # each input's copy is kept until its request completes
+
+    def start() -> Any:
+        requests = []
+        for t in tensors:
+            buf = t.detach().clone(memory_format=torch.contiguous_format)
+            scale_(buf, pre)
+            rows = _scatter_rows(t.shape[0], size)
+            out = torch.empty((rows[me], *t.shape[1:]), dtype=t.dtype)
+            counts = [r * _inner(buf) for r in rows]
+            mpi_t = _mpi_type(buf.dtype, what)
+            op_mpi = _reduce_op(buf.dtype, op)
+            requests.append(comm.Ireduce_scatter([words(buf), mpi_t], [words(out), mpi_t], counts, op=op_mpi))
+            outs.append((buf, out))
+        return _Requests(requests)
 
     def finish() -> list[torch.Tensor]:
-        return [scale_(out, post) for _, out in outs]
+        return [scale_(out, scaled) for _, out in outs]
 
-    return _Handle(_Requests(requests), finish)
+    if size == 1:
+        return _Handle(start(), finish)
+    agreement = _Agreement(comm, tensors, op, pre, post, what, kind=REDUCESCATTER, name=name)
+    return _Handle(_AfterAgreement(agreement, start), finish)
 
 
 def reducescatter_async(
@@ -174,7 +188,7 @@ def reducescatter_async(
     """Start a reducescatter; `synchronize` returns this worker's part of the Average (or Sum) over the set."""
     op = _op(op, None, "reducescatter")
     _unnamed(name, "reducescatter_async")
-    handle = _reducescatter_start([tensor], op, process_set, prescale_factor, postscale_factor, "reducescatter")
+    handle = _reducescatter_start([tensor], op, process_set, prescale_factor, postscale_factor, "reducescatter", name)
     finish = handle.finish
     handle.finish = lambda: finish()[0]
     return _register(handle, name)
@@ -192,7 +206,9 @@ def grouped_reducescatter_async(
     op = _op(op, None, "grouped_reducescatter")
     what = "grouped_reducescatter"
     tensors = _inputs.tensors(tensors, what)
-    return _register(_reducescatter_start(tensors, op, process_set, prescale_factor, postscale_factor, what))
+    _unnamed(name, what)
+    handle = _reducescatter_start(tensors, op, process_set, prescale_factor, postscale_factor, what, name)
+    return _register(handle, name)
 
 
 def reducescatter(

@@ -48,7 +48,7 @@ class World:
     sync: SyncConfig | None
     backend: str
     cleanups: list[Any] = field(default_factory=list)
-    joiner: Any = None  # the live optimizer's join, if it has one
+    joiner: Any = None  # a weak reference to the last DistributedOptimizer, whose join `join()` runs while it lives
     speculating: Any = None  # the live optimizer's SpecSync side (`speculative()` re-runs steps through it), if any
     # More ranks on this node than cores: a rank waiting in a blocking collective would spin on a core another rank
     # needs to compute, so waits poll a nonblocking operation with pauses instead.

@@ -31,6 +31,7 @@ What `step()` does depends on the mode, one module per mode family behind the `_
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -105,7 +106,7 @@ class _Distributed:
         if mode.close in st.cleanups:
             st.cleanups.remove(mode.close)
             mode.close()
-        if st.joiner == mode.join:
+        if st.joiner is not None and st.joiner() is self:
             st.joiner = None
         if st.speculating is not None and st.speculating is mode.spec:
             st.speculating = None
@@ -205,12 +206,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     collsync fuses every gradient into one reduction, so they change nothing. `server_state`: server modes, what
     `server_state_dict()` returned in an earlier run: the servers go on from it (the workers pull its parameters).
     `process_set` (`bsp` only): the gradients are reduced over that set's workers; on a worker outside it the
-    optimizer steps on its own gradients, as Horovod's does.
+    optimizer steps on its own gradients, as Horovod's does. Sparse gradients (`nn.Embedding(sparse=True)`) under
+    `bsp` are reduced as Horovod reduces them: densified with `sparse_as_dense`, else the allgather of their indices
+    and values (`sparse_allreduce_async`), `.grad` staying sparse.
 
     Raises:
         ValueError: a bad option, a mode the world cannot run, an optimizer the parameter server cannot apply.
         NotImplementedError: Adasum, Min/Max/Product, a process set outside `bsp`, sparse gradients without
-            `sparse_as_dense`.
+            `sparse_as_dense` outside `bsp`.
     """
     st = state("DistributedOptimizer")
     _inputs.optimizer(optimizer, "DistributedOptimizer")  # a model passed for it: named before anything reads it
@@ -254,7 +257,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     optimizer._should_synchronize = True  # type: ignore[attr-defined]
     optimizer._parameter_names = _parameter_names(optimizer, named_parameters)  # type: ignore[attr-defined]
     st.cleanups.append(mode.close)
-    st.joiner = mode.join
+    # Weakly: once the script drops the optimizer, `join()` is Horovod's plain join again (a later test or phase
+    # of a script that joins beside the others' allreduces must not run a forgotten optimizer's reductions).
+    st.joiner = weakref.ref(optimizer)
     if mode.spec is not None:
         st.speculating = mode.spec  # `collsync.torch.speculative(step)` runs steps through it
     return optimizer

@@ -366,7 +366,7 @@ def test_sync_batch_norm_equals_batch_norm_on_the_concatenated_batch():
     torch.testing.assert_close(weight_grad, ref.weight.grad, rtol=0, atol=1e-12)
 
 
-def test_sparse_gradients_need_sparse_as_dense():
+def test_sparse_gradients_with_and_without_sparse_as_dense():
     emb = nn.Embedding(4, 2, sparse=True).double()
     hvd.broadcast_parameters(emb.state_dict(), root_rank=0)
     before = emb.weight.detach().clone()
@@ -378,8 +378,13 @@ def test_sparse_gradients_need_sparse_as_dense():
         moved = not torch.equal(emb.weight[row].detach(), before[row])
         assert moved == (row in touched)
     opt.close()
+    # Without sparse_as_dense, Horovod's sparse path: the mean of the workers' sparse gradients, still sparse.
     plain = hvd.DistributedOptimizer(torch.optim.SGD(nn.Embedding(4, 2, sparse=True).double().parameters(), lr=1.0))
-    plain.param_groups[0]["params"][0].grad = torch.ones(4, 2, dtype=torch.float64).to_sparse()
-    with pytest.raises(NotImplementedError, match="sparse_as_dense=True"):
-        plain.step()
+    weight = plain.param_groups[0]["params"][0]
+    start = weight.detach().clone()
+    weight.grad = torch.full((4, 2), float(hvd.rank()), dtype=torch.float64).to_sparse()
+    plain.step()
+    mean = (hvd.size() - 1) / 2
+    assert weight.grad.is_sparse and torch.allclose(weight.grad.to_dense(), torch.full((4, 2), mean).double())
+    assert torch.allclose(weight.detach(), start - mean)
     plain.close()
