@@ -59,10 +59,16 @@ def _pushpull(d: dict[str, Any]) -> str:
 def _partial(d: dict[str, Any]) -> str:
     r = d["ratio_to_allreduce"]
     said = f"quorum n {_f(r['partial_n'])}, quorum n - 1 {_f(r['partial_n_minus_1'])} of `Allreduce`'s time"
-    rma = d.get("rma_per_round", {}).get(f"quorum {d['ranks'] - 1}")
-    if rma:  # the protocol's own round trips per round (the most of any rank), and the polls that waited
-        polls = max(m["waits"] for m in rma["per_rank"])
-        said += f"; quorum n - 1: {_f(rma['max_protocol_round_trips'])} round trips + up to {_f(polls)} polls a rank"
+    if "partial_n_minus_1_host" in r:
+        said += f" (host-summed: {_f(r['partial_n_minus_1_host'])})"
+    for side in ("", ", host-summed"):
+        rma = d.get("rma_per_round", {}).get(f"quorum {d['ranks'] - 1}{side}")
+        if rma:  # the protocol's own round trips per round (the most of any rank), and the polls that waited
+            polls = max(m["waits"] for m in rma["per_rank"])
+            said += (
+                f"; quorum n - 1{side}: {_f(rma['max_protocol_round_trips'])} round trips + up to {_f(polls)} polls"
+                " a rank"
+            )
     return said
 
 

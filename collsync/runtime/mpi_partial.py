@@ -107,6 +107,7 @@ import torch
 
 from collsync.runtime import PartialResult
 from collsync.runtime.mpi_coll import wait
+from collsync.runtime.mpi_partial_direct import DirectRounds
 from collsync.runtime.mpi_partial_windows import (
     OVERWRITTEN,
     READY,
@@ -129,7 +130,7 @@ from collsync.types import Flat
 __all__ = ["PartialAllreduce", "PartialResult"]
 
 
-class PartialAllreduce(PartialWindows):
+class PartialAllreduce(DirectRounds, PartialWindows):
     """Collective constructor over `comm` (every rank calls it, then every rank calls rounds 0, 1, 2, ... in order).
 
     `pa(tensor, quorum=k, round=t)` contributes `tensor` to round t and returns round t's `PartialResult`;
@@ -158,9 +159,12 @@ class PartialAllreduce(PartialWindows):
         self._publish_read()
         data = tensor.detach().to(self.dtype).contiguous()
         self._gate(round)
-        index, closed = self._ticket(round)
+        index, closed, before = self._ticket(round)
         if index >= quorum and (self.margin is None or closed):
             return self._collect(quorum, round, None, out)
+        if self.direct:
+            record, mean = self._direct_round(data, quorum, round, before, (period, step), out)
+            return self._finish(quorum, round, record, mean)
         self._post(data, round)
         if index == quorum - 1:
             self._close(quorum, round, period, step)
@@ -176,7 +180,7 @@ class PartialAllreduce(PartialWindows):
             return None
         self._arrived_before = time.monotonic()  # this rank's arrival in `round`, too late to count
         # A complete round passed its gate, so the ticket arithmetic holds without waiting here.
-        index, closed = self._ticket(round)
+        index, closed, _ = self._ticket(round)
         if index < quorum or not closed:
             raise RuntimeError(
                 f"{self._who}: partial allreduce: round {round} was complete but this rank drew arrival {index} < "
@@ -199,7 +203,7 @@ class PartialAllreduce(PartialWindows):
         if self.margin is None:
             self._close_tickets(round_)
         else:
-            count = self._extend(quorum, round_, period, step)
+            count = self._extend(quorum, round_, period, step)[0]
         ranks = self._poll(
             lambda: _posted_for(self._load_many(self._posted, self.size), round_, count),
             lambda: (
@@ -213,9 +217,10 @@ class PartialAllreduce(PartialWindows):
         words = np.concatenate((np.array([writing_tag(round_)], dtype=np.int64), stamp(round_, record)))
         self._store_many(self._entry_at(round_) + 1, words)
 
-    def _extend(self, quorum: int, round_: int, period: float, step: float) -> int:
+    def _extend(self, quorum: int, round_: int, period: float, step: float) -> tuple[int, int]:
         """Step 4 with a margin: wait up to it (`Margin.limit` for "auto") for the ranks that have not drawn a
-        ticket, close, and return how many drew one before the close (all of them count)."""
+        ticket, close, and return how many drew one before the close (all of them count) and, direct exchange,
+        the mask of their ranks."""
         margin, auto = self.margin, False
         if isinstance(margin, (int, float)):
             limit = float(margin)
@@ -232,10 +237,10 @@ class PartialAllreduce(PartialWindows):
             if seen >= self.size - len(self.lost) or now - start >= limit:
                 break
             backoff.wait()
-        count = self._close_tickets(round_)
+        count, mask = self._close_tickets(round_)
         if auto:
             self._margin.observe(last - start, count == self.size, limit)
-        return count
+        return count, mask
 
     def _sum_block(self, own: Flat, round_: int, record: np.ndarray) -> None:
         """Step 5: sum this contributor's block of the counted slots in rank order, Put it, count it; the last block
@@ -361,6 +366,10 @@ class PartialAllreduce(PartialWindows):
         self.win_ring.Flush(self.host)
         if tag_state(self._load(tag), round_) != READY:
             raise RuntimeError(self._overwritten(round_) + " (while it was being read)")
+        return self._finish(quorum, round_, record, mean)
+
+    def _finish(self, quorum: int, round_: int, record: np.ndarray, mean: Flat) -> PartialResult:
+        """Check the round's `record` ([quorum, count, ranks[n]]), mark it read (the gate), return its result."""
         if int(record[0]) != quorum:
             raise ValueError(
                 f"{self._who}: partial allreduce: round {round_} ran with quorum={int(record[0])}, "
