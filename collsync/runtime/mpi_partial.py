@@ -160,6 +160,8 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         data = tensor.detach().to(self.dtype).contiguous()
         self._gate(round)
         index, closed, before = self._ticket(round)
+        if self.direct and index >= quorum and self.margin is None and not closed:  # dropped, before the close
+            return self._finish(quorum, round, *self._direct_round(None, quorum, round, before, (period, step), out))
         if index >= quorum and (self.margin is None or closed):
             return self._collect(quorum, round, None, out)
         if self.direct:

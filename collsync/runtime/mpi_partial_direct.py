@@ -36,6 +36,7 @@ one (a run of 2 ** (62 - n) rounds per ring entry fits the word).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,11 @@ if TYPE_CHECKING:
 DIRECT_MAX_RANKS = 40
 _PHASES = 3  # message tags per round: the record, the blocks of the sum, the blocks of the mean
 _RECORD, _SUM, _MEAN = range(_PHASES)
+_YIELD_S = 0.05  # how long a data phase yields between tests before it sleeps (`Messages.wait`)
+# A vector above this many bytes moves in rendezvous, only while both sides call into MPI: its phases yield between
+# tests. Small ones travel eagerly and their phases sleep as every other wait does (ranks share cores: a yielding
+# rank still takes turns from the one it waits for, and the auto margin's tests measured it).
+LARGE_MESSAGE = 1 << 16
 
 # Requests abandoned by a timeout with their buffers: MPI may still complete them (a late peer), writing the buffer.
 # (mpi4py's requests hold their buffers.)
@@ -90,7 +96,8 @@ class Messages:
         return (round_ % self.rounds) * _PHASES + phase
 
     def post(self, sends: Sequence[tuple[np.ndarray, int]], recvs: Sequence[tuple[np.ndarray, int]], tag: int) -> Any:
-        """Post every receive, then every send (`(buffer, peer)` each) with `tag`: the requests, receives first."""
+        """Post every receive, then every send (`(buffer, peer)` each: never `MPI.ANY_SOURCE`, see `receive_any`)
+        with `tag`: the requests, receives first."""
         kind = self.mpi_t if all(b.dtype != np.int64 for b, _ in (*sends, *recvs)) else self.MPI.INT64_T
         reqs = [self.comm.Irecv([b, kind], peer, tag) for b, peer in recvs]
         reqs += [self.comm.Isend([b, kind], peer, tag) for b, peer in sends]
@@ -100,10 +107,20 @@ class Messages:
             self.counts.data_bytes += sum(int(b.nbytes) for b, _ in (*sends, *recvs))
         return reqs
 
-    def wait(self, reqs: list[Any], timeout: float | None, late: Callable[[list[int]], str], peers: list[int]) -> None:
+    def wait(
+        self,
+        reqs: list[Any],
+        timeout: float | None,
+        late: Callable[[list[int]], str],
+        peers: list[int],
+        spin: bool = False,
+    ) -> None:
         """Wait for `reqs` (`peers[i]` the peer of the i-th), testing them between the pauses of `backoff` (not MPI's
-        blocking wait, which spins: the record may wait out a whole margin, and ranks share cores); after `timeout`
-        s, `RankLost` with `late(the peers whose receive did not complete)`."""
+        blocking wait, which spins: the record may wait out a whole margin, and ranks share cores); with `spin`
+        (a large vector's phases, which every peer is inside MPI for: over TCP a large message moves only while
+        both sides call into MPI, and a pause of 1 ms stalls it) yielding the core between tests for the first
+        `_YIELD_S`, as `mpi_coll.wait` does. After `timeout` s, `RankLost` with `late(the peers whose receive did
+        not complete)`."""
         if not reqs:
             return
         if self.counts is not None:
@@ -118,7 +135,29 @@ class Messages:
                 raise RankLost(late(sorted(set(missing))) + f" after timeout={limit}s")
             if self.counts is not None:
                 self.counts.tests += 1
+            if spin and time.monotonic() - start < _YIELD_S:
+                os.sched_yield()
+            else:
+                backoff.wait()
+
+    def receive_any(self, buf: np.ndarray, tag: int, timeout: float | None, late: Callable[[], str]) -> None:
+        """Receive `buf` (int64) with `tag` from whichever rank sends it: probed for, then received from the rank
+        found (a receive posted from any source was never matched across hosts under MPICH's UCX network module,
+        a probe is); after `timeout` s, `RankLost` with `late()`."""
+        status, backoff, start = self.MPI.Status(), self.backoff, time.monotonic()
+        backoff.reset()
+        while not self.comm.Iprobe(self.MPI.ANY_SOURCE, tag, status):
+            limit = keepalive.patience(timeout)  # shorter once the launcher said that a rank died
+            if limit is not None and time.monotonic() - start >= limit:
+                raise RankLost(late() + f" after timeout={limit}s")
+            if self.counts is not None:
+                self.counts.tests += 1
             backoff.wait()
+        self.comm.Recv([buf, self.MPI.INT64_T], status.Get_source(), tag)
+        if self.counts is not None:
+            self.counts.ops["Irecv"] += 1
+            self.counts.data_bytes += int(buf.nbytes)
+            self.counts.round_trips += 1
 
     def free(self) -> None:
         if self.comm != self.MPI.COMM_NULL:
@@ -143,6 +182,7 @@ class DirectRounds:
     _hosts: list[str]
     _who: str
     _parts: Flat | None
+    _large: bool  # whether the vector is past MPI's eager sizes (`LARGE_MESSAGE`): its phases then yield, not sleep
 
     if TYPE_CHECKING:  # PartialWindows' and PartialAllreduce's
 
@@ -153,65 +193,81 @@ class DirectRounds:
         def _late(self, round_: int) -> str: ...
 
     def _direct_round(
-        self, data: Flat, quorum: int, round_: int, before: int, timing: tuple[float, float], out: Flat | None
+        self,
+        data: Flat | None,
+        quorum: int,
+        round_: int,
+        before: int,
+        timing: tuple[float, float],
+        out: Flat | None,
     ) -> tuple[np.ndarray, Flat]:
-        """Steps 2-5 for a rank whose ticket counts (`before`: the mask of the ranks that came before it; `timing`:
-        its period and step, for the margin): the record [quorum, count, ranks[n]] and the mean."""
+        """Steps 2-5 for a rank whose ticket counts, or (`data` None) one that came after the quorum-th arrival but
+        before the close (a listener: dropped, it takes the mean's blocks with the contributors instead of waiting
+        for the ring). `before`: the mask of the ranks that came before it; `timing`: its period and step, for the
+        margin. Returns the record [quorum, count, ranks[count], listeners..., -1...] and the mean."""
         assert self.msgs is not None
         msgs, n = self.msgs, self.size
         record = np.full(2 + n, -1, dtype=np.int64)
-        if before.bit_count() == quorum - 1:  # the quorum-th arrival closes the round
+        if data is not None and before.bit_count() == quorum - 1:  # the quorum-th arrival closes the round
             if self.margin is None:
-                self._close_tickets(round_)
                 members = before | 1 << self.rank
+                drawn = self._close_tickets(round_)[1]  # every ticket before the close: the rest listen
             else:
-                members = self._extend(quorum, round_, *timing)[1]
+                drawn = members = self._extend(quorum, round_, *timing)[1]
             ranks = [r for r in range(n) if members >> r & 1]
-            record[0], record[1], record[2 : 2 + len(ranks)] = quorum, len(ranks), ranks
-            others = [r for r in ranks if r != self.rank]
+            listeners = [r for r in range(n) if (drawn & ~members) >> r & 1]
+            record[0], record[1], record[2 : 2 + len(ranks) + len(listeners)] = quorum, len(ranks), ranks + listeners
+            others = [r for r in ranks + listeners if r != self.rank]
             reqs = msgs.post([(record, r) for r in others], [], msgs.tag(round_, _RECORD))
             msgs.wait(reqs, self.timeout, lambda late: self._unsent(round_, late), [])
         else:
-            reqs = msgs.post([], [(record, self.MPI.ANY_SOURCE)], msgs.tag(round_, _RECORD))
-            msgs.wait(reqs, self.timeout, lambda _: self._unclosed(round_, quorum), [-1])
-        ranks = [int(r) for r in record[2 : 2 + int(record[1])]]
-        if self.rank not in ranks:
+            msgs.receive_any(record, msgs.tag(round_, _RECORD), self.timeout, lambda: self._unclosed(round_, quorum))
+        count = int(record[1])
+        ranks, listeners = [int(r) for r in record[2 : 2 + count]], [int(r) for r in record[2 + count :] if r >= 0]
+        if (self.rank in ranks) != (data is not None):
             raise RuntimeError(
-                f"{self._who}: partial allreduce: this rank drew a counted ticket in round {round_} but is not among "
-                f"its contributors {ranks}: ranks disagree on the quorum"
+                f"{self._who}: partial allreduce: this rank's ticket in round {round_} and its contributors {ranks} "
+                "disagree: ranks disagree on the quorum"
             )
         mean = torch.empty(self.numel, dtype=self.dtype) if out is None else out
-        self._exchange(data, ranks, round_, mean)
+        self._exchange(data, ranks, listeners, round_, mean)
+        record[2 + count :] = -1  # the round's record names its contributors; the listeners were dropped
         if self.rank == writer_of(ranks, self.host, self._hosts):
             self._write_ring(mean, record, round_)
         return record, mean
 
-    def _exchange(self, own: Flat, ranks: list[int], round_: int, mean: Flat) -> None:
-        """Steps 3-4: this contributor's block of the sum (the parts in rank order), then every block of the mean."""
+    def _exchange(self, own: Flat | None, ranks: list[int], listeners: list[int], round_: int, mean: Flat) -> None:
+        """Steps 3-4: this contributor's block of the sum (the parts in rank order), then every block of the mean,
+        which the listeners receive too (`own` None: this rank is one of them)."""
         assert self.msgs is not None
-        msgs, count, me = self.msgs, len(ranks), ranks.index(self.rank)
-        cuts = [(i * self.numel // count, (i + 1) * self.numel // count) for i in range(count + 1)]
+        msgs, count = self.msgs, len(ranks)
+        cuts = [(i * self.numel // count, (i + 1) * self.numel // count) for i in range(count)]
+        dst = mean.numpy()
+        peers = [(i, r) for i, r in enumerate(ranks) if r != self.rank]
+        late = lambda missing: self._unsummed_by(round_, missing)  # noqa: E731
+        if own is None:  # a listener: every block of the mean from its contributor
+            recvs = [(dst[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
+            msgs.wait(msgs.post([], recvs, msgs.tag(round_, _MEAN)), self.timeout, late, ranks, spin=self._large)
+            return
+        me = ranks.index(self.rank)
         lo, hi = cuts[me]
         width = hi - lo
         if self._parts is None or self._parts.numel() < count * width:
             self._parts = torch.empty(count * width, dtype=self.dtype)
         parts = self._parts[: count * width].view(count, width)
-        src, dst = own.numpy(), mean.numpy()
-        peers = [(i, r) for i, r in enumerate(ranks) if r != self.rank]
-        tag = msgs.tag(round_, _SUM)
+        src = own.numpy()
         sends = [(src[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
         recvs = [(parts[i].numpy(), r) for i, r in peers] if width else []
-        msgs.wait(msgs.post(sends, recvs, tag), self.timeout, lambda late: self._unsummed_by(round_, late), ranks)
+        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, _SUM)), self.timeout, late, ranks, spin=self._large)
         if width:
             parts[me].copy_(own[lo:hi])
             total = parts[0]  # the host-summed path's additions, in the same order (`mpi_partial._sum_block`)
             for i in range(1, count):
                 total.add_(parts[i])
             mean[lo:hi].copy_(total.div_(count))
-        tag = msgs.tag(round_, _MEAN)
-        sends = [(dst[lo:hi], r) for _, r in peers] if width else []
+        sends = [(dst[lo:hi], r) for r in [*ranks, *listeners] if r != self.rank] if width else []
         recvs = [(dst[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
-        msgs.wait(msgs.post(sends, recvs, tag), self.timeout, lambda late: self._unsummed_by(round_, late), ranks)
+        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, _MEAN)), self.timeout, late, ranks, spin=self._large)
 
     def _write_ring(self, mean: Flat, record: np.ndarray, round_: int) -> None:
         """Step 5: the mean into the host's ring (flushed), then tag 'ready' and the record in one write."""

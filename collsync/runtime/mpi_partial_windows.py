@@ -21,7 +21,7 @@ import torch
 
 from collsync import keepalive
 from collsync.margin import Margin, check_margin
-from collsync.runtime.mpi_partial_direct import DIRECT_MAX_RANKS, Messages
+from collsync.runtime.mpi_partial_direct import DIRECT_MAX_RANKS, LARGE_MESSAGE, Messages
 from collsync.runtime.mpi_partial_lost import LostRanks
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
@@ -183,6 +183,7 @@ class PartialWindows(LostRanks, Windows):
         self._backoff = Backoff(cap=poll_cap(comm))
         # The direct exchange's messages (`mpi_partial_direct`), waited for with pauses of their own.
         self.msgs = Messages(comm, self._mpi_t, Backoff(cap=self._backoff.cap)) if self.direct else None
+        self._large = numel * np.dtype(self._np).itemsize > LARGE_MESSAGE
 
     # -- set-up and tear-down --------------------------------------------------------------------------------------
     def _allocate(self, hosting: bool) -> tuple[Any, Any, Any]:
