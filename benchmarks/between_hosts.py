@@ -13,7 +13,7 @@ DIR/bin/mpiexec, so ranks on different hosts talk over TCP through the bridge, n
 * `pushpull`: benchmarks/mpi_pushpull.py, 2 ranks on node0 and node1: the mailbox's pull and push of 4 MiB
   against raw `MPI_Get` / `MPI_Put` + `Flush` on the same windows;
 * `partial`: benchmarks/mpi_partial_allreduce.py, 4 ranks (node0:2, node1:2): the k-of-n partial allreduce at
-  quorum n and n - 1 against `Allreduce`, 1M float32;
+  quorum n and n - 1 (the direct exchange and the host-summed path) against `Allreduce`, 1M float32;
 * `fullsync`: benchmarks/mpi_fullsync.py, 4 ranks (node0:2, node1:2): `runtime=allreduce`'s step against a
   hand-written loop with one blocking `Allreduce`, 100k and 5M parameters;
 * `peers`: benchmarks/vs_peers.py, 4 ranks (node0:2, node1:2): `collsync.torch` bsp and backup, Horovod and DDP

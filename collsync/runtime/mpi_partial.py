@@ -94,7 +94,10 @@ complete is final (the ticket is spent): stop the run.
 `quorum` must be the same on every rank for a round (like the count of a collective); the combining rank records it
 and every reader checks it.
 
-Memory on the host: (n + depth) * numel floats. Calls are made in round order 0, 1, 2, ... on every rank.
+Memory on the host: (n + depth) * numel floats (the direct exchange: depth * numel). Calls are made in round order
+0, 1, 2, ... on every rank. `protocol="direct"` (the default, up to 40 ranks) moves a partial round's contributions
+between its contributors instead of through the slots (steps 3-5 above; `mpi_partial_direct` says how: 1.2x an
+`MPI_Allreduce` across hosts at quorum n - 1, against 2.3x for `protocol="host"`, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -299,7 +302,7 @@ class PartialAllreduce(DirectRounds, PartialWindows):
             raise RankLost(self._roll_call(round_)) from None
         return self._full_done(mean, round_)
 
-    def _full_done(self, mean: Flat, round_: int) -> PartialResult:
+    def _full_done(self, mean: Flat, round_: int) -> PartialResult:  # the bookkeeping after a full round
         mean.div_(self.size)
         self._full_rounds[round_ % self.depth] += 1
         self._floor = max(self._floor, round_)  # every rank entered round_, so every rank had read round_ - 1

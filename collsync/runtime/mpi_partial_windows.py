@@ -167,8 +167,7 @@ class PartialWindows(LostRanks, Windows):
         self._waited = self._summed + size
         self._lost_at = self._waited + size
         self._left = self._lost_at + size
-        # The ticket word's encoding (`ticket_state`): one bit per rank where the direct exchange is used (a round's
-        # ticket says who came before, `mpi_partial_direct`), a count of arrivals on the host-summed path.
+        # The ticket word's encoding (`ticket_state`): a bit per rank (direct exchange), or a count (host-summed).
         self.direct = protocol == "direct" and size <= DIRECT_MAX_RANKS
         self._closed = (1 << size) if self.direct else CLOSED
         self._wins = self._allocate(rank == host)
@@ -181,7 +180,6 @@ class PartialWindows(LostRanks, Windows):
         self._one = np.ones(1, dtype=np.int64)
         self._words = Words(self.win_ctrl, host)  # the control words' atomics, as the mailbox's
         self._backoff = Backoff(cap=poll_cap(comm))
-        # The direct exchange's messages (`mpi_partial_direct`), waited for with pauses of their own.
         self.msgs = Messages(comm, self._mpi_t, Backoff(cap=self._backoff.cap)) if self.direct else None
         self._large = numel * np.dtype(self._np).itemsize > LARGE_MESSAGE
 
@@ -261,8 +259,7 @@ class PartialWindows(LostRanks, Windows):
         """How many ranks have drawn a ticket in `round_` so far."""
         return self._state(self._load(self._entry_at(round_)), round_)[0]
 
-    def _bit(self, rank: int) -> int:
-        """What rank `rank`'s ticket adds to the word: its bit (direct exchange), or one."""
+    def _bit(self, rank: int) -> int:  # what rank `rank`'s ticket adds to the word
         return 1 << rank if self.direct else 1
 
     def _state(self, word: int, round_: int) -> tuple[int, bool, int]:
