@@ -13,7 +13,7 @@ DIR/bin/mpiexec, so ranks on different hosts talk over TCP through the bridge, n
 * `pushpull`: benchmarks/mpi_pushpull.py, 2 ranks on node0 and node1: the mailbox's pull and push of 4 MiB
   against raw `MPI_Get` / `MPI_Put` + `Flush` on the same windows;
 * `partial`: benchmarks/mpi_partial_allreduce.py, 4 ranks (node0:2, node1:2): the k-of-n partial allreduce at
-  quorum n and n - 1 against `Allreduce`, 1M float32;
+  quorum n and n - 1 (the direct exchange and the host-summed path) against `Allreduce`, 1M float32;
 * `fullsync`: benchmarks/mpi_fullsync.py, 4 ranks (node0:2, node1:2): `runtime=allreduce`'s step against a
   hand-written loop with one blocking `Allreduce`, 100k and 5M parameters;
 * `peers`: benchmarks/vs_peers.py, 4 ranks (node0:2, node1:2): `collsync.torch` bsp and backup, Horovod and DDP
@@ -59,10 +59,16 @@ def _pushpull(d: dict[str, Any]) -> str:
 def _partial(d: dict[str, Any]) -> str:
     r = d["ratio_to_allreduce"]
     said = f"quorum n {_f(r['partial_n'])}, quorum n - 1 {_f(r['partial_n_minus_1'])} of `Allreduce`'s time"
-    rma = d.get("rma_per_round", {}).get(f"quorum {d['ranks'] - 1}")
-    if rma:  # the protocol's own round trips per round (the most of any rank), and the polls that waited
-        polls = max(m["waits"] for m in rma["per_rank"])
-        said += f"; quorum n - 1: {_f(rma['max_protocol_round_trips'])} round trips + up to {_f(polls)} polls a rank"
+    if "partial_n_minus_1_host" in r:
+        said += f" (host-summed: {_f(r['partial_n_minus_1_host'])})"
+    for side in ("", ", host-summed"):
+        rma = d.get("rma_per_round", {}).get(f"quorum {d['ranks'] - 1}{side}")
+        if rma:  # the protocol's own round trips per round (the most of any rank), and the polls that waited
+            polls = max(m["waits"] for m in rma["per_rank"])
+            said += (
+                f"; quorum n - 1{side}: {_f(rma['max_protocol_round_trips'])} round trips + up to {_f(polls)} polls"
+                " a rank"
+            )
     return said
 
 

@@ -10,13 +10,17 @@ applies). Partial: `PartialAllreduce.__call__(grad, quorum=n, round=t, out=out)`
 baseline copies it into its buffer. Also timed: the baseline's `Allreduce` by hand on a torch tensor's buffer over a
 duplicate communicator (the full-quorum path without its bookkeeping), the partial allreduce without `out` (a new 4
 MiB mean per round, what `rounds.run_partial` does), and quorum n - 1 (one backup, the fastest n - 1 counted:
-tickets, Puts to the host's window, each contributor summing one block of the slots in rank order, every rank
-Getting the mean), for scale, and quorum n - 1 again on a second `PartialAllreduce` made countable (`Windows.count`:
-every one-sided call counted as it is made), which prices the counting itself; the uncounted one calls its mpi4py
-windows directly, as before counting existed. Each rep starts with a `Barrier` so the sides start from ranks in
-step; the time is the slowest rank's. After the timing, `--count-rounds` rounds of each partial side run on
-countable objects and the JSON gives, per rank, the remote one-sided operations (by kind), the blocking round trips
-(`Flush` calls) and the bytes moved per round (`rma_per_round`). Correctness: the partial mean equals the allreduce
+one bit-per-rank ticket on the host's word, then the direct exchange: each contributor summing one block of the
+contributors' vectors in rank order, sent to it by messages, and the blocks of the mean sent back, one contributor
+copying the mean into the host's ring for the others), for scale; quorum n - 1 again on a second `PartialAllreduce`
+made countable (`Windows.count`: every one-sided call and message counted as it is made), which prices the counting
+itself (the uncounted one calls its mpi4py windows directly); and quorum n - 1 on the host-summed path
+(`protocol="host"`: every contribution Put into the host's window, each contributor Getting its block of them all
+and Putting its block of the mean there, every rank Getting the mean). Each rep starts with a `Barrier` so the
+sides start from ranks in step; the time is the slowest rank's. After the timing, `--count-rounds` rounds of each
+partial side run on countable objects and the JSON gives, per rank, the remote one-sided operations and messages (by
+kind), the blocking round trips (`Flush` calls and waits for a phase of messages) and the bytes moved per round
+(`rma_per_round`), for the host-summed path too. Correctness: the partial mean equals the allreduce
 mean to float32 rounding (MPI may sum in another order on the duplicate communicator)."""
 
 from __future__ import annotations
@@ -69,12 +73,14 @@ def main() -> None:
     def partial(quorum: int, into: torch.Tensor | None) -> Callable[[], object]:
         return lambda: pa(grad, quorum, next(rounds), out=into)
 
-    counted_rounds = itertools.count()
+    counted_rounds, host_rounds, host_counted_rounds = itertools.count(), itertools.count(), itertools.count()
     with (
         PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pa,
         PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pc,
+        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="host") as ph,
+        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="host") as phc,
     ):
-        counts = pc.count(RmaCounts())
+        counts, host_counts = pc.count(RmaCounts()), phc.count(RmaCounts())
         sides: dict[str, Callable[[], object]] = {
             "allreduce": allreduce,
             "allreduce_torch": allreduce_torch,
@@ -82,6 +88,7 @@ def main() -> None:
             "partial_n_alloc": partial(n, None),
             "partial_n_minus_1": partial(n - 1, out),
             "partial_n_minus_1_counted": lambda: pc(grad, n - 1, next(counted_rounds), out=out),
+            "partial_n_minus_1_host": lambda: ph(grad, n - 1, next(host_rounds), out=out),
         }
         times: dict[str, list[float]] = {name: [] for name in sides}
         for rep in range(args.reps):
@@ -98,6 +105,9 @@ def main() -> None:
         rma = {
             f"quorum {q}": per_round(pc, counts, q, counted_rounds, grad, out, args.count_rounds) for q in (n, n - 1)
         }
+        rma[f"quorum {n - 1}, host-summed"] = per_round(
+            phc, host_counts, n - 1, host_counted_rounds, grad, out, args.count_rounds
+        )
     dup.Free()
     # The slowest rank's time per rep (a collective ends when its last rank does).
     slowest = {k: np.max(comm.allgather(np.array(v)), axis=0).tolist() for k, v in times.items()}
@@ -155,6 +165,7 @@ def per_round(
         "round_trips": statistics.mean(c.round_trips for c in taken),
         "data_mb": statistics.mean(c.data_bytes for c in taken) / 1e6,
         "waits": statistics.mean(c.waits for c in taken),
+        "tests": statistics.mean(c.tests for c in taken),
         "protocol_round_trips": statistics.mean(c.round_trips - c.waits for c in taken),
         "max_round_trips": max(c.round_trips for c in taken),
         "by_kind": {k: statistics.mean(c.ops[k] for c in taken) for k in counts.ops},

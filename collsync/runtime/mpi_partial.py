@@ -94,7 +94,10 @@ complete is final (the ticket is spent): stop the run.
 `quorum` must be the same on every rank for a round (like the count of a collective); the combining rank records it
 and every reader checks it.
 
-Memory on the host: (n + depth) * numel floats. Calls are made in round order 0, 1, 2, ... on every rank.
+Memory on the host: (n + depth) * numel floats (the direct exchange: depth * numel). Calls are made in round order
+0, 1, 2, ... on every rank. `protocol="direct"` (the default, up to 40 ranks) moves a partial round's contributions
+between its contributors instead of through the slots (steps 3-5 above; `mpi_partial_direct` says how: 1.2-1.4x an
+`MPI_Allreduce` across hosts at quorum n - 1, against 2.3-2.7x for `protocol="host"`, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ import torch
 
 from collsync.runtime import PartialResult
 from collsync.runtime.mpi_coll import wait
+from collsync.runtime.mpi_partial_direct import DirectRounds
 from collsync.runtime.mpi_partial_windows import (
     OVERWRITTEN,
     READY,
@@ -129,7 +133,7 @@ from collsync.types import Flat
 __all__ = ["PartialAllreduce", "PartialResult"]
 
 
-class PartialAllreduce(PartialWindows):
+class PartialAllreduce(DirectRounds, PartialWindows):
     """Collective constructor over `comm` (every rank calls it, then every rank calls rounds 0, 1, 2, ... in order).
 
     `pa(tensor, quorum=k, round=t)` contributes `tensor` to round t and returns round t's `PartialResult`;
@@ -158,9 +162,14 @@ class PartialAllreduce(PartialWindows):
         self._publish_read()
         data = tensor.detach().to(self.dtype).contiguous()
         self._gate(round)
-        index, closed = self._ticket(round)
+        index, closed, before = self._ticket(round)
+        if self.direct and index >= quorum and self.margin is None and not closed:  # dropped, before the close
+            return self._finish(quorum, round, *self._direct_round(None, quorum, round, before, (period, step), out))
         if index >= quorum and (self.margin is None or closed):
             return self._collect(quorum, round, None, out)
+        if self.direct:
+            record, mean = self._direct_round(data, quorum, round, before, (period, step), out)
+            return self._finish(quorum, round, record, mean)
         self._post(data, round)
         if index == quorum - 1:
             self._close(quorum, round, period, step)
@@ -176,7 +185,7 @@ class PartialAllreduce(PartialWindows):
             return None
         self._arrived_before = time.monotonic()  # this rank's arrival in `round`, too late to count
         # A complete round passed its gate, so the ticket arithmetic holds without waiting here.
-        index, closed = self._ticket(round)
+        index, closed, _ = self._ticket(round)
         if index < quorum or not closed:
             raise RuntimeError(
                 f"{self._who}: partial allreduce: round {round} was complete but this rank drew arrival {index} < "
@@ -199,7 +208,7 @@ class PartialAllreduce(PartialWindows):
         if self.margin is None:
             self._close_tickets(round_)
         else:
-            count = self._extend(quorum, round_, period, step)
+            count = self._extend(quorum, round_, period, step)[0]
         ranks = self._poll(
             lambda: _posted_for(self._load_many(self._posted, self.size), round_, count),
             lambda: (
@@ -213,9 +222,10 @@ class PartialAllreduce(PartialWindows):
         words = np.concatenate((np.array([writing_tag(round_)], dtype=np.int64), stamp(round_, record)))
         self._store_many(self._entry_at(round_) + 1, words)
 
-    def _extend(self, quorum: int, round_: int, period: float, step: float) -> int:
+    def _extend(self, quorum: int, round_: int, period: float, step: float) -> tuple[int, int]:
         """Step 4 with a margin: wait up to it (`Margin.limit` for "auto") for the ranks that have not drawn a
-        ticket, close, and return how many drew one before the close (all of them count)."""
+        ticket, close, and return how many drew one before the close (all of them count) and, direct exchange,
+        the mask of their ranks."""
         margin, auto = self.margin, False
         if isinstance(margin, (int, float)):
             limit = float(margin)
@@ -232,10 +242,10 @@ class PartialAllreduce(PartialWindows):
             if seen >= self.size - len(self.lost) or now - start >= limit:
                 break
             backoff.wait()
-        count = self._close_tickets(round_)
+        count, mask = self._close_tickets(round_)
         if auto:
             self._margin.observe(last - start, count == self.size, limit)
-        return count
+        return count, mask
 
     def _sum_block(self, own: Flat, round_: int, record: np.ndarray) -> None:
         """Step 5: sum this contributor's block of the counted slots in rank order, Put it, count it; the last block
@@ -292,7 +302,7 @@ class PartialAllreduce(PartialWindows):
             raise RankLost(self._roll_call(round_)) from None
         return self._full_done(mean, round_)
 
-    def _full_done(self, mean: Flat, round_: int) -> PartialResult:
+    def _full_done(self, mean: Flat, round_: int) -> PartialResult:  # the bookkeeping after a full round
         mean.div_(self.size)
         self._full_rounds[round_ % self.depth] += 1
         self._floor = max(self._floor, round_)  # every rank entered round_, so every rank had read round_ - 1
@@ -361,6 +371,10 @@ class PartialAllreduce(PartialWindows):
         self.win_ring.Flush(self.host)
         if tag_state(self._load(tag), round_) != READY:
             raise RuntimeError(self._overwritten(round_) + " (while it was being read)")
+        return self._finish(quorum, round_, record, mean)
+
+    def _finish(self, quorum: int, round_: int, record: np.ndarray, mean: Flat) -> PartialResult:
+        """Check the round's `record` ([quorum, count, ranks[n]]), mark it read (the gate), return its result."""
         if int(record[0]) != quorum:
             raise ValueError(
                 f"{self._who}: partial allreduce: round {round_} ran with quorum={int(record[0])}, "

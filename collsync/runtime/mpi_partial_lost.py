@@ -57,6 +57,7 @@ class LostRanks:
         def _store(self, disp: int, value: int) -> None: ...
         def _load_many(self, disp: int, count: int) -> Any: ...
         def _entry_at(self, round_: int) -> int: ...
+        def _bit(self, rank: int) -> int: ...
 
     def host_of(self, rank: int) -> str:
         return self._hosts[rank]
@@ -93,7 +94,7 @@ class LostRanks:
         for r, since in self.lost.items():
             upto = self._proxied.get(r, since)
             for u in range(upto, self.round):  # complete rounds (read here): the ticket lands after their close
-                self._fetch(self._entry_at(u), 1, self.MPI.SUM)
+                self._fetch(self._entry_at(u), self._bit(r), self.MPI.SUM)
             if upto < self.round:
                 self._store(self._read + r, self.round)
                 self._proxied[r] = self.round

@@ -21,6 +21,7 @@ import torch
 
 from collsync import keepalive
 from collsync.margin import Margin, check_margin
+from collsync.runtime.mpi_partial_direct import DIRECT_MAX_RANKS, LARGE_MESSAGE, Messages
 from collsync.runtime.mpi_partial_lost import LostRanks
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
@@ -81,16 +82,16 @@ def block(index: int, parts: int, numel: int) -> tuple[int, int]:
     return index * numel // parts, (index + 1) * numel // parts
 
 
-def arrival_index(ticket: int, round_: int, depth: int, size: int) -> int:
-    """A rank's arrival order in `round_` from the entry's cumulative ticket counter: each of the round // depth
-    earlier rounds of this entry took exactly `size` tickets, all before the first of this round (the gate)."""
-    return ticket - (round_ // depth) * size
-
-
-def arrival_state(value: int) -> tuple[int, bool]:
-    """(arrival order, whether the round was closed before it) from a ticket relative to its round (the cumulative
-    counter less the entry's earlier rounds, each of which took `size` tickets and one `CLOSED`)."""
-    return (value - CLOSED, True) if value >= CLOSED else (value, False)
+def ticket_state(word: int, uses: int, size: int, direct: bool) -> tuple[int, bool, int]:
+    """(arrival order, whether the round was closed before it, the mask of the ranks before it) from a ring entry's
+    cumulative ticket word, of which `uses` earlier rounds (all before this one: the gate) each took every rank's
+    ticket and one close. Direct exchange: a ticket adds 1 << rank and the close 1 << size (the mask is what came
+    before, its size the order); host-summed: a ticket adds 1, the close `CLOSED` (the mask is 0)."""
+    closed_flag = 1 << size if direct else CLOSED
+    value = word - uses * ((1 << size) - 1 + closed_flag if direct else size + CLOSED)
+    closed = value >= closed_flag
+    value -= closed_flag if closed else 0
+    return (value.bit_count(), closed, value) if direct else (value, closed, 0)
 
 
 def split(contributors: Sequence[int], size: int) -> tuple[list[int], list[int]]:
@@ -130,12 +131,15 @@ class PartialWindows(LostRanks, Windows):
         timeout: float | None = None,
         margin: float | str | None = None,
         tolerate: int = 0,
+        protocol: str = "direct",
     ) -> None:
         from mpi4py import MPI  # lazily: collsync's modules import without an MPI library
 
         size, rank = comm.Get_size(), comm.Get_rank()
         _check_args(numel, dtype, depth, host, size, timeout)
         check_margin(margin)
+        if protocol not in ("direct", "host"):
+            raise ValueError(f"partial allreduce: {protocol=} must be 'direct' or 'host'")
         if not 0 <= tolerate < size:
             raise ValueError(f"partial allreduce: {tolerate=} lost ranks must be in 0..{size - 1}")
         if timeout is not None:
@@ -163,6 +167,9 @@ class PartialWindows(LostRanks, Windows):
         self._waited = self._summed + size
         self._lost_at = self._waited + size
         self._left = self._lost_at + size
+        # The ticket word's encoding (`ticket_state`): a bit per rank (direct exchange), or a count (host-summed).
+        self.direct = protocol == "direct" and size <= DIRECT_MAX_RANKS
+        self._closed = (1 << size) if self.direct else CLOSED
         self._wins = self._allocate(rank == host)
         self._full_comm = comm.Dup()  # full-quorum rounds' allreduce: never interleaved with the caller's collectives
         self.win_slots, self.win_ring, self.win_ctrl = self._wins
@@ -173,12 +180,17 @@ class PartialWindows(LostRanks, Windows):
         self._one = np.ones(1, dtype=np.int64)
         self._words = Words(self.win_ctrl, host)  # the control words' atomics, as the mailbox's
         self._backoff = Backoff(cap=poll_cap(comm))
+        self.msgs = Messages(comm, self._mpi_t, Backoff(cap=self._backoff.cap)) if self.direct else None
+        self._large = numel * np.dtype(self._np).itemsize > LARGE_MESSAGE
 
     # -- set-up and tear-down --------------------------------------------------------------------------------------
     def _allocate(self, hosting: bool) -> tuple[Any, Any, Any]:
         MPI, item = self.MPI, np.dtype(self._np).itemsize
         words = self._left + self.size
-        slots = MPI.Win.Allocate(self.size * self.numel * item if hosting else 0, item, comm=self.comm)
+        # The direct exchange keeps no contributions on the host: its slots window is empty.
+        slots = MPI.Win.Allocate(
+            self.size * self.numel * item if hosting and not self.direct else 0, item, comm=self.comm
+        )
         ring = MPI.Win.Allocate(self.depth * self.numel * item if hosting else 0, item, comm=self.comm)
         ctrl = MPI.Win.Allocate(words * 8 if hosting else 0, 8, comm=self.comm)
         if hosting:
@@ -227,25 +239,33 @@ class PartialWindows(LostRanks, Windows):
         record = unstamp(words[1:], round_)
         return (state, record) if record is not None else (PENDING, None)
 
-    def _ticket(self, round_: int) -> tuple[int, bool]:
-        """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per round), and whether
-        the round was closed before it."""
-        return arrival_state(self._arrival(self._fetch(self._entry_at(round_), 1, self.MPI.SUM), round_))
+    def _publish_ready(self, round_: int, record: np.ndarray) -> None:
+        """Tag `round_`'s entry 'ready' with its record ([blocks, quorum, count, ranks[n]]), in one write."""
+        words = np.concatenate((np.array([round_], dtype=np.int64), stamp(round_, record.astype(np.int64))))
+        self._store_many(self._entry_at(round_) + 1, words)
 
-    def _close_tickets(self, round_: int) -> int:
-        """Step 4's close: add `CLOSED` to the round's ticket counter; how many tickets were drawn before it."""
-        return arrival_state(self._arrival(self._fetch(self._entry_at(round_), CLOSED, self.MPI.SUM), round_))[0]
+    def _ticket(self, round_: int) -> tuple[int, bool, int]:
+        """Step 2: this rank's arrival order in `round_` (every rank takes exactly one ticket per round), whether
+        the round was closed before it, and (direct exchange) the mask of the ranks that came before it."""
+        return self._state(self._fetch(self._entry_at(round_), self._bit(self.rank), self.MPI.SUM), round_)
+
+    def _close_tickets(self, round_: int) -> tuple[int, int]:
+        """Step 4's close: add the closed flag to the round's ticket word; how many tickets were drawn before it
+        (and, direct exchange, the mask of their ranks)."""
+        index, _, mask = self._state(self._fetch(self._entry_at(round_), self._closed, self.MPI.SUM), round_)
+        return index, mask
 
     def _arrived(self, round_: int) -> int:
         """How many ranks have drawn a ticket in `round_` so far."""
-        return arrival_state(self._arrival(self._load(self._entry_at(round_)), round_))[0]
+        return self._state(self._load(self._entry_at(round_)), round_)[0]
 
-    def _arrival(self, ticket: int, round_: int) -> int:
-        """`arrival_index`, counting the entry's full rounds (which took no tickets) as never having used it and
-        taking off the `CLOSED` of each earlier round that did: `arrival_state` reads the result."""
-        full = self._full_rounds[round_ % self.depth]
-        closed = (round_ // self.depth - full) * CLOSED
-        return arrival_index(ticket + full * self.size, round_, self.depth, self.size) - closed
+    def _bit(self, rank: int) -> int:  # what rank `rank`'s ticket adds to the word
+        return 1 << rank if self.direct else 1
+
+    def _state(self, word: int, round_: int) -> tuple[int, bool, int]:
+        """`ticket_state` of `round_`'s ticket word: the entry's full rounds took no tickets."""
+        uses = round_ // self.depth - self._full_rounds[round_ % self.depth]
+        return ticket_state(word, uses, self.size, self.direct)
 
     def _publish_read(self) -> None:
         """Bring read[rank] up to date after full rounds, before this rank's partial call can wait on anyone."""
@@ -266,6 +286,8 @@ class PartialWindows(LostRanks, Windows):
         if self.timeout is not None and self._wins:
             gate(self.comm, self.timeout, "partial allreduce: freeing the windows", startup=False)
         super().free()
+        if self.msgs is not None:
+            self.msgs.free()
         if self._full_comm != self.MPI.COMM_NULL:  # freed already (mpi4py sets the handle to COMM_NULL)
             self._full_comm.Free()
 
@@ -320,9 +342,15 @@ class PartialWindows(LostRanks, Windows):
                     raise
 
     def _late(self, round_: int) -> str:
-        """'; waiting on rank 2 on node17': the ranks that have not posted `round_`, for a timeout's message."""
-        posted = self._load_many(self._posted, self.size)
-        late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in range(self.size) if int(posted[r]) < round_)
+        """'; waiting on rank 2 on node17': the ranks that have not posted `round_` (direct exchange: not drawn a
+        ticket in it), for a timeout's message."""
+        if self.direct:
+            mask = self._state(self._load(self._entry_at(round_)), round_)[2]
+            missing = [r for r in range(self.size) if not mask >> r & 1]
+        else:
+            posted = self._load_many(self._posted, self.size)
+            missing = [r for r in range(self.size) if int(posted[r]) < round_]
+        late = ", ".join(f"rank {r} on {self._hosts[r]}" for r in missing)
         return f"; waiting on {late}" if late else ""
 
     def _unsummed(self, round_: int) -> str:

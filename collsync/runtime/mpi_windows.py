@@ -60,29 +60,30 @@ _W = TypeVar("_W", bound="Windows")
 
 # The one-sided calls a protocol makes (each one remote operation, the host's to its own memory included) and the
 # calls that wait for them: a `Flush` is one blocking round trip to its target, whatever it completes.
-_OPS = ("Put", "Get", "Accumulate", "Get_accumulate", "Fetch_and_op", "Compare_and_swap")
+_OPS = ("Put", "Get", "Accumulate", "Get_accumulate", "Fetch_and_op", "Compare_and_swap", "Isend", "Irecv")
 _FLUSHES = ("Flush", "Flush_all")
 
 
 @dataclass
 class RmaCounts:
     """What the windows of one protocol object did since it was made countable (`Windows.count`): remote operations
-    by kind, blocking round trips (`Flush` calls), and the bytes that `Put` and `Get` moved. A benchmark reads it
+    by kind (point-to-point messages among them), blocking round trips (`Flush` calls, waits for a phase of
+    messages), and the bytes that `Put`, `Get` and messages moved. A benchmark reads it
     before and after a round (`copy`, `minus`)."""
 
     ops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_OPS, 0))
     round_trips: int = 0
     data_bytes: int = 0
     waits: int = 0  # polls that found nothing yet (each after one round trip): the rest are the protocol's own
+    tests: int = 0  # local tests of posted messages that found them not yet complete (no round trip each)
 
     def copy(self) -> RmaCounts:
-        return RmaCounts(dict(self.ops), self.round_trips, self.data_bytes, self.waits)
+        return RmaCounts(dict(self.ops), self.round_trips, self.data_bytes, self.waits, self.tests)
 
     def minus(self, before: RmaCounts) -> RmaCounts:
         ops = {k: v - before.ops.get(k, 0) for k, v in self.ops.items()}
-        return RmaCounts(
-            ops, self.round_trips - before.round_trips, self.data_bytes - before.data_bytes, self.waits - before.waits
-        )
+        trips, moved = self.round_trips - before.round_trips, self.data_bytes - before.data_bytes
+        return RmaCounts(ops, trips, moved, self.waits - before.waits, self.tests - before.tests)
 
     @property
     def remote_ops(self) -> int:
@@ -148,6 +149,8 @@ class Windows:
                 value.win = CountingWin(value.win, counts)
             elif isinstance(value, Backoff):
                 setattr(self, name, CountingBackoff(value, counts))
+            elif hasattr(value, "count_into"):  # point-to-point messages (`mpi_partial_direct.Messages`)
+                value.count_into(counts)
         return counts
 
     def free(self) -> None:

@@ -50,13 +50,15 @@ def _check(name: str, data: dict[str, Any]) -> None:
             "partial_n_alloc",
             "partial_n_minus_1",
             "partial_n_minus_1_counted",
+            "partial_n_minus_1_host",
         }
         assert data["max_abs_diff"] <= 1e-5  # the partial mean is the allreduce mean (checked in the run too)
         # Round trips counted per round: a full quorum is one Allreduce (no one-sided call), n - 1 goes through the
-        # windows (each rank's own count, gathered).
+        # windows and messages, on either protocol (each rank's own count, gathered).
         rma, n = data["rma_per_round"], data["ranks"]
-        assert len(rma[f"quorum {n - 1}"]["per_rank"]) == n
-        assert rma[f"quorum {n - 1}"]["max_protocol_round_trips"] > 0 == rma[f"quorum {n}"]["max_round_trips"]
+        for side in (f"quorum {n - 1}", f"quorum {n - 1}, host-summed"):
+            assert len(rma[side]["per_rank"]) == n
+            assert rma[side]["max_protocol_round_trips"] > 0 == rma[f"quorum {n}"]["max_round_trips"]
     elif name == "mpi_shards_scaling":
         rows = data["servers"]
         assert set(rows) == {"1", "2"}

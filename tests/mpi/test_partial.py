@@ -51,19 +51,23 @@ def test_full_quorum_equals_allreduce(comm):
 def test_counted_rounds_give_the_same_means_and_count_every_round_trip(comm):
     """`count` changes nothing a round returns; a partial round makes remote calls and Flushes (waits among them),
     a full round none on the windows (it is an allreduce)."""
-    n, numel = comm.Get_size(), 9
+    n, rank, numel = comm.Get_size(), comm.Get_rank(), 9
     with PartialAllreduce(comm, numel, dtype=torch.float64, depth=2) as pa:
         counts = pa.count(RmaCounts())
         for t in range(8):
             before = counts.copy()
             k = max(1, n - 1) if t % 2 else n
-            result = pa(_contribution(comm.Get_rank(), t, numel), quorum=k, round=t)
+            result = pa(_contribution(rank, t, numel), quorum=k, round=t)
             assert torch.equal(result.mean, _expected(result, numel))
             took = counts.minus(before)
             if k == n > 1:
                 assert took.remote_ops == took.round_trips == 0
             else:
-                assert took.remote_ops >= took.round_trips > took.waits >= 0 and took.ops["Get"] >= 1
+                assert took.remote_ops >= took.round_trips > took.waits >= 0
+                # The mean came from the host's ring or the contributors' messages (a dropped rank), from the other
+                # contributors' messages, or this rank was the only one and wrote it there.
+                moved = ("Get", "Irecv") if rank in result.dropped else ("Irecv",) if result.quorum > 1 else ("Put",)
+                assert sum(took.ops[kind] for kind in moved) >= 1, took.ops
         assert _same_everywhere(comm, zlib.crc32(result.mean.numpy().tobytes()).to_bytes(4, "little"))
 
 
@@ -378,3 +382,43 @@ def test_a_rank_that_stops_is_lost_and_the_others_go_on(comm):
         assert pa.lost == {gone: 5}
         live = comm.allgather(repr(seen[5:]).encode() if rank != gone else None)
         assert len({v for v in live if v is not None}) == 1  # every live rank read the same rounds
+
+
+def test_direct_exchange_gives_the_host_paths_bits_in_a_constant_number_of_round_trips(comm):
+    """The direct exchange (contributions between contributors, membership from one bit-per-rank ticket word) and
+    the host-summed path give the same bits, the rank-order sum of the contributors (values where the order of the
+    additions shows), on every rank; a contributor Gets nothing from the host, moves what a ring allreduce moves
+    (2 (count - 1) / count of the vector each way) and makes the same few round trips at any world size."""
+    n, rank, numel, rounds = comm.Get_size(), comm.Get_rank(), 1000, 12
+    quorum = max(1, n - 1)
+
+    def contribution(r: int, t: int) -> torch.Tensor:
+        return torch.randn(numel, dtype=torch.float32, generator=torch.Generator().manual_seed(r * 7919 + t)) * 1e3
+
+    seen: dict[str, list[bytes]] = {}
+    for protocol in ("direct", "host"):
+        seen[protocol] = []
+        with PartialAllreduce(comm, numel, depth=2, protocol=protocol) as pa:
+            assert pa.direct == (protocol == "direct")
+            counts = pa.count(RmaCounts())
+            for t in range(rounds):
+                before = counts.copy()
+                result = pa(contribution(rank, t), quorum, t)
+                took = counts.minus(before)
+                total = contribution(result.contributors[0], t)
+                for r in result.contributors[1:]:  # rank order, one addition after the other
+                    total.add_(contribution(r, t))
+                assert torch.equal(result.mean, total.div_(len(result.contributors)))
+                seen[protocol].append(result.mean.numpy().tobytes())
+                if protocol == "direct" and rank in result.contributors:
+                    count = len(result.contributors)
+                    assert took.ops["Get"] == 0 and took.round_trips - took.waits <= 9, took
+                    # The blocks of the sum and of the mean (to the ranks listening too), and the record: the
+                    # closer's to every other rank that drew a ticket before its close, or one received.
+                    assert 2 * (count - 1) <= took.ops["Isend"] <= (count - 1) + 2 * (n - 1), took
+                    assert 2 * (count - 1) <= took.ops["Irecv"] <= 2 * (count - 1) + 1, took
+                    block = numel // count + 1
+                    floats = 2 * 2 * (numel - numel // count + 1) + block * (n - count)  # + blocks to listeners
+                    record = 8 * (2 + n) * (n - 1)
+                    assert took.data_bytes <= 4 * floats + record + 4 * numel, took  # + the writer's copy to the ring
+    assert all(_same_everywhere(comm, b) for b in seen["direct"] + seen["host"])

@@ -20,8 +20,6 @@ from collsync.runtime.mpi_partial_windows import (
     READY,
     SUMMING,
     _posted_for,
-    arrival_index,
-    arrival_state,
     block,
     check_call,
     check_margin,
@@ -29,6 +27,7 @@ from collsync.runtime.mpi_partial_windows import (
     split,
     stamp,
     tag_state,
+    ticket_state,
     unstamp,
     writing_tag,
 )
@@ -56,17 +55,20 @@ def test_writing_tags_never_collide_with_empty_or_complete():
     assert {writing_tag(r) for r in range(100)}.isdisjoint({-1, *range(100)})
 
 
-def test_arrival_index_subtracts_the_earlier_rounds_of_the_entry():
-    # depth 3, 4 ranks: entry 1 served rounds 1 and 4 (4 tickets each) before round 7.
-    assert arrival_index(8, 7, 3, 4) == 0
-    assert arrival_index(11, 7, 3, 4) == 3
-    assert arrival_index(0, 2, 3, 4) == 0
+def test_ticket_state_subtracts_the_earlier_rounds_of_the_entry():
+    # 4 ranks; the entry served 2 earlier rounds (every rank's ticket and one close each) before this one.
+    assert ticket_state(2 * (4 + CLOSED), 2, 4, direct=False) == (0, False, 0)
+    assert ticket_state(2 * (4 + CLOSED) + 3, 2, 4, direct=False) == (3, False, 0)
+    full = 0b1111 + (1 << 4)  # direct: a round adds every rank's bit and the close flag 1 << n
+    assert ticket_state(2 * full, 2, 4, direct=True) == (0, False, 0)
+    assert ticket_state(2 * full + 0b1010, 2, 4, direct=True) == (2, False, 0b1010)  # ranks 1 and 3 came before
 
 
-def test_arrival_state_tells_a_ticket_drawn_after_the_close():
-    assert arrival_state(2) == (2, False)
-    assert arrival_state(CLOSED + 3) == (3, True)  # the fourth ticket, drawn once the round was closed
-    assert arrival_state(CLOSED) == (0, True)
+def test_ticket_state_tells_a_ticket_drawn_after_the_close():
+    assert ticket_state(2, 0, 4, direct=False) == (2, False, 0)
+    assert ticket_state(CLOSED + 3, 0, 4, direct=False) == (3, True, 0)  # the fourth ticket, after the close
+    assert ticket_state(CLOSED, 0, 4, direct=False) == (0, True, 0)
+    assert ticket_state((1 << 4) + 0b0111, 0, 4, direct=True) == (3, True, 0b0111)  # ranks 0-2 before the close
 
 
 @pytest.mark.parametrize("margin", [0, -1.0, "soon", True, [1.0]])

@@ -1,0 +1,296 @@
+"""The direct exchange of the k-of-n partial allreduce (`mpi_partial`): a round's contributions go straight between
+its contributors, in `MPI_Allreduce`'s shape, and only control words and one copy of the mean touch the host.
+
+The host-summed path (`protocol="host"`) moves every byte through one rank's memory (a contributor Puts its
+vector there, Gets its block of every slot, Puts its block of the mean, Gets the whole mean: 3 vectors a round)
+in 8-13 dependent round trips to the host, and the ranks waiting poll the host's words; across hosts quorum n - 1
+cost 3.0-3.1x an `MPI_Allreduce` (benchmarks/README.md, "Round trips of the partial allreduce"). Here, one round
+t at rank r, once its ticket says it counts:
+
+1. ticket: `Fetch_and_op(SUM, 1 << r)` on the entry's ticket word (the gate as before), so the answer is the set
+   of ranks that came before r in round t, not only their number (`PartialWindows._state`: the earlier rounds of
+   the entry each added every rank's bit and one close flag, 1 << n). Its arrival order is the set's size.
+2. the quorum-th arrival closes the round (`Fetch_and_op(SUM, closed)`, after the margin if any) and knows the
+   contributors from its own ticket (without a margin: the `quorum` first) or from the close's answer (with a
+   margin: every rank that drew a ticket before the close); it sends the record [quorum, count, ranks] to every
+   other contributor (one message each): nobody polls the host for who counts.
+3. reduce-scatter: the vector is cut into `count` blocks; contributor i receives block i of every other
+   contributor's vector and sends it block j of its own (one message per pair), then adds the `count` parts in
+   rank order and divides by `count`: the same additions, in the same order, as the host-summed path, so the same
+   bits whichever rank sums, whatever the cut.
+4. allgather: contributor i sends its block of the mean to every other contributor and receives theirs.
+   A contributor moves 2 (count - 1) / count of the vector each way, what a ring `MPI_Allreduce` moves.
+5. one contributor (the host if it counts, else one on the host's machine, else the first) Puts the mean into the
+   host's ring and writes tag and record in one `Accumulate(REPLACE)`, for the ranks dropped or late, which read
+   the ring exactly as on the host-summed path (`try_read`, the seqlock, the catch-up); the others go on.
+6. read[r] <- t + 1 (the gate), as before.
+
+Round trips to the host per contributor: the ticket and read[r] (the closer adds its close, the writer the ring's
+Put and the tag); three message phases between contributors, each one latency. Membership, the margin, the drop
+counting and the lost-rank rules are the host-summed path's (the same ticket word, closed by one atomic; a rank
+lost between rounds has its bit drawn for it). A contributor stopped inside a round holds the others' exchange:
+they fail after `timeout` naming it, as the host-summed path does when its block of the sum is missing. The ticket
+word holds one bit per rank, so up to `DIRECT_MAX_RANKS` ranks use this path and larger worlds the host-summed
+one (a run of 2 ** (62 - n) rounds per ring entry fits the word).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from collsync import keepalive
+from collsync.runtime.mpi_windows import Backoff, RmaCounts
+from collsync.runtime.mpi_world import RankLost
+from collsync.types import Flat
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+DIRECT_MAX_RANKS = 40
+_PHASES = 3  # message tags per round: the record, the blocks of the sum, the blocks of the mean
+_RECORD, _SUM, _MEAN = range(_PHASES)
+_YIELD_S = 0.05  # how long a data phase yields between tests before it sleeps (`Messages.wait`)
+# A vector above this many bytes moves in rendezvous, only while both sides call into MPI: its phases yield between
+# tests. Small ones travel eagerly and their phases sleep as every other wait does (ranks share cores: a yielding
+# rank still takes turns from the one it waits for, and the auto margin's tests measured it).
+LARGE_MESSAGE = 1 << 16
+
+# Requests abandoned by a timeout with their buffers: MPI may still complete them (a late peer), writing the buffer.
+# (mpi4py's requests hold their buffers.)
+_STRANDED: list[list[Any]] = []
+
+
+def writer_of(ranks: Sequence[int], host: int, hosts: Sequence[str]) -> int:
+    """The contributor that copies a round's mean into the host's ring: the host itself (a copy in its own memory),
+    else one on the host's machine (shared memory), else the first (across the network)."""
+    if host in ranks:
+        return host
+    return next((r for r in ranks if hosts[r] == hosts[host]), ranks[0])
+
+
+class Messages:
+    """The direct exchange's point-to-point messages, on a duplicate of the ranks' communicator (never matched
+    with the caller's). Counted into `counts` where a benchmark asks (`Windows.count` calls `count_into`): each
+    message an operation (`Isend`, `Irecv`) and its bytes, each wait for a phase that has messages one blocking
+    round trip, each pause in it one local test (`RmaCounts.tests`, not a round trip)."""
+
+    def __init__(self, comm: MPI.Comm, mpi_t: Any, backoff: Backoff) -> None:
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        self.MPI, self.comm, self.mpi_t, self.backoff = MPI, comm.Dup(), mpi_t, backoff
+        tag_ub = self.comm.Get_attr(MPI.TAG_UB)
+        self.rounds = max(1, int(tag_ub if tag_ub is not None else 32767) // _PHASES)
+        self.counts: RmaCounts | None = None
+
+    def count_into(self, counts: RmaCounts) -> None:
+        self.counts = counts
+
+    def tag(self, round_: int, phase: int) -> int:
+        """Rounds more than `rounds` apart never meet: the gate keeps ranks within the ring's depth."""
+        return (round_ % self.rounds) * _PHASES + phase
+
+    def post(self, sends: Sequence[tuple[np.ndarray, int]], recvs: Sequence[tuple[np.ndarray, int]], tag: int) -> Any:
+        """Post every receive, then every send (`(buffer, peer)` each: never `MPI.ANY_SOURCE`, see `receive_any`)
+        with `tag`: the requests, receives first."""
+        kind = self.mpi_t if all(b.dtype != np.int64 for b, _ in (*sends, *recvs)) else self.MPI.INT64_T
+        reqs = [self.comm.Irecv([b, kind], peer, tag) for b, peer in recvs]
+        reqs += [self.comm.Isend([b, kind], peer, tag) for b, peer in sends]
+        if self.counts is not None:
+            self.counts.ops["Irecv"] += len(recvs)
+            self.counts.ops["Isend"] += len(sends)
+            self.counts.data_bytes += sum(int(b.nbytes) for b, _ in (*sends, *recvs))
+        return reqs
+
+    def wait(
+        self,
+        reqs: list[Any],
+        timeout: float | None,
+        late: Callable[[list[int]], str],
+        peers: list[int],
+        spin: bool = False,
+    ) -> None:
+        """Wait for `reqs` (`peers[i]` the peer of the i-th), testing them between the pauses of `backoff` (not MPI's
+        blocking wait, which spins: the record may wait out a whole margin, and ranks share cores); with `spin`
+        (a large vector's phases, which every peer is inside MPI for: over TCP a large message moves only while
+        both sides call into MPI, and a pause of 1 ms stalls it) yielding the core between tests for the first
+        `_YIELD_S`, as `mpi_coll.wait` does. After `timeout` s, `RankLost` with `late(the peers whose receive did
+        not complete)`."""
+        if not reqs:
+            return
+        if self.counts is not None:
+            self.counts.round_trips += 1
+        backoff, start = self.backoff, time.monotonic()
+        backoff.reset()
+        while not self.MPI.Request.Testall(reqs):
+            limit = keepalive.patience(timeout)  # shorter once the launcher said that a rank died
+            if limit is not None and time.monotonic() - start >= limit:
+                missing = [p for req, p in zip(reqs, peers, strict=False) if not req.Test()]
+                _STRANDED.append(reqs)
+                raise RankLost(late(sorted(set(missing))) + f" after timeout={limit}s")
+            if self.counts is not None:
+                self.counts.tests += 1
+            if spin and time.monotonic() - start < _YIELD_S:
+                os.sched_yield()
+            else:
+                backoff.wait()
+
+    def receive_any(self, buf: np.ndarray, tag: int, timeout: float | None, late: Callable[[], str]) -> None:
+        """Receive `buf` (int64) with `tag` from whichever rank sends it: probed for, then received from the rank
+        found (a receive posted from any source was never matched across hosts under MPICH's UCX network module,
+        a probe is); after `timeout` s, `RankLost` with `late()`."""
+        status, backoff, start = self.MPI.Status(), self.backoff, time.monotonic()
+        backoff.reset()
+        while not self.comm.Iprobe(self.MPI.ANY_SOURCE, tag, status):
+            limit = keepalive.patience(timeout)  # shorter once the launcher said that a rank died
+            if limit is not None and time.monotonic() - start >= limit:
+                raise RankLost(late() + f" after timeout={limit}s")
+            if self.counts is not None:
+                self.counts.tests += 1
+            backoff.wait()
+        self.comm.Recv([buf, self.MPI.INT64_T], status.Get_source(), tag)
+        if self.counts is not None:
+            self.counts.ops["Irecv"] += 1
+            self.counts.data_bytes += int(buf.nbytes)
+            self.counts.round_trips += 1
+
+    def free(self) -> None:
+        if self.comm != self.MPI.COMM_NULL:
+            self.comm.Free()
+
+
+class DirectRounds:
+    """A contributor's round on the direct exchange (module docstring); mixed into `PartialAllreduce`."""
+
+    MPI: Any
+    size: int
+    rank: int
+    numel: int
+    dtype: torch.dtype
+    depth: int
+    host: int
+    timeout: float | None
+    margin: float | str | None
+    msgs: Messages | None
+    win_ring: Any
+    _mpi_t: Any
+    _hosts: list[str]
+    _who: str
+    _parts: Flat | None
+    _large: bool  # whether the vector is past MPI's eager sizes (`LARGE_MESSAGE`): its phases then yield, not sleep
+
+    if TYPE_CHECKING:  # PartialWindows' and PartialAllreduce's
+
+        def _close_tickets(self, round_: int) -> tuple[int, int]: ...
+        def _extend(self, quorum: int, round_: int, period: float, step: float) -> tuple[int, int]: ...
+        def _publish_ready(self, round_: int, record: np.ndarray) -> None: ...
+        def _arrived(self, round_: int) -> int: ...
+        def _late(self, round_: int) -> str: ...
+
+    def _direct_round(
+        self,
+        data: Flat | None,
+        quorum: int,
+        round_: int,
+        before: int,
+        timing: tuple[float, float],
+        out: Flat | None,
+    ) -> tuple[np.ndarray, Flat]:
+        """Steps 2-5 for a rank whose ticket counts, or (`data` None) one that came after the quorum-th arrival but
+        before the close (a listener: dropped, it takes the mean's blocks with the contributors instead of waiting
+        for the ring). `before`: the mask of the ranks that came before it; `timing`: its period and step, for the
+        margin. Returns the record [quorum, count, ranks[count], listeners..., -1...] and the mean."""
+        assert self.msgs is not None
+        msgs, n = self.msgs, self.size
+        record = np.full(2 + n, -1, dtype=np.int64)
+        if data is not None and before.bit_count() == quorum - 1:  # the quorum-th arrival closes the round
+            if self.margin is None:
+                members = before | 1 << self.rank
+                drawn = self._close_tickets(round_)[1]  # every ticket before the close: the rest listen
+            else:
+                drawn = members = self._extend(quorum, round_, *timing)[1]
+            ranks = [r for r in range(n) if members >> r & 1]
+            listeners = [r for r in range(n) if (drawn & ~members) >> r & 1]
+            record[0], record[1], record[2 : 2 + len(ranks) + len(listeners)] = quorum, len(ranks), ranks + listeners
+            others = [r for r in ranks + listeners if r != self.rank]
+            reqs = msgs.post([(record, r) for r in others], [], msgs.tag(round_, _RECORD))
+            msgs.wait(reqs, self.timeout, lambda late: self._unsent(round_, late), [])
+        else:
+            msgs.receive_any(record, msgs.tag(round_, _RECORD), self.timeout, lambda: self._unclosed(round_, quorum))
+        count = int(record[1])
+        ranks, listeners = [int(r) for r in record[2 : 2 + count]], [int(r) for r in record[2 + count :] if r >= 0]
+        if (self.rank in ranks) != (data is not None):
+            raise RuntimeError(
+                f"{self._who}: partial allreduce: this rank's ticket in round {round_} and its contributors {ranks} "
+                "disagree: ranks disagree on the quorum"
+            )
+        mean = torch.empty(self.numel, dtype=self.dtype) if out is None else out
+        self._exchange(data, ranks, listeners, round_, mean)
+        record[2 + count :] = -1  # the round's record names its contributors; the listeners were dropped
+        if self.rank == writer_of(ranks, self.host, self._hosts):
+            self._write_ring(mean, record, round_)
+        return record, mean
+
+    def _exchange(self, own: Flat | None, ranks: list[int], listeners: list[int], round_: int, mean: Flat) -> None:
+        """Steps 3-4: this contributor's block of the sum (the parts in rank order), then every block of the mean,
+        which the listeners receive too (`own` None: this rank is one of them)."""
+        assert self.msgs is not None
+        msgs, count = self.msgs, len(ranks)
+        cuts = [(i * self.numel // count, (i + 1) * self.numel // count) for i in range(count)]
+        dst = mean.numpy()
+        peers = [(i, r) for i, r in enumerate(ranks) if r != self.rank]
+        late = lambda missing: self._unsummed_by(round_, missing)  # noqa: E731
+        if own is None:  # a listener: every block of the mean from its contributor
+            recvs = [(dst[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
+            msgs.wait(msgs.post([], recvs, msgs.tag(round_, _MEAN)), self.timeout, late, ranks, spin=self._large)
+            return
+        me = ranks.index(self.rank)
+        lo, hi = cuts[me]
+        width = hi - lo
+        if self._parts is None or self._parts.numel() < count * width:
+            self._parts = torch.empty(count * width, dtype=self.dtype)
+        parts = self._parts[: count * width].view(count, width)
+        src = own.numpy()
+        sends = [(src[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
+        recvs = [(parts[i].numpy(), r) for i, r in peers] if width else []
+        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, _SUM)), self.timeout, late, ranks, spin=self._large)
+        if width:
+            parts[me].copy_(own[lo:hi])
+            total = parts[0]  # the host-summed path's additions, in the same order (`mpi_partial._sum_block`)
+            for i in range(1, count):
+                total.add_(parts[i])
+            mean[lo:hi].copy_(total.div_(count))
+        sends = [(dst[lo:hi], r) for r in [*ranks, *listeners] if r != self.rank] if width else []
+        recvs = [(dst[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
+        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, _MEAN)), self.timeout, late, ranks, spin=self._large)
+
+    def _write_ring(self, mean: Flat, record: np.ndarray, round_: int) -> None:
+        """Step 5: the mean into the host's ring (flushed), then tag 'ready' and the record in one write."""
+        target = ((round_ % self.depth) * self.numel, self.numel, self._mpi_t)
+        self.win_ring.Put([mean.numpy(), self._mpi_t], self.host, target=target)
+        self.win_ring.Flush(self.host)
+        count = int(record[1])
+        self._publish_ready(round_, np.concatenate(([count], record)))  # blocks: every block is there
+
+    def _unclosed(self, round_: int, quorum: int) -> str:
+        arrived = self._arrived(round_)
+        return (
+            f"{self._who}: partial allreduce: round {round_} incomplete: {max(arrived, 0)} of {self.size} ranks "
+            f"arrived, {quorum=}" + self._late(round_)
+        )
+
+    def _unsent(self, round_: int, late: list[int]) -> str:
+        named = ", ".join(f"rank {r} on {self._hosts[r]}" for r in late)
+        return f"{self._who}: partial allreduce: round {round_}'s record was not taken by {named or 'its contributors'}"
+
+    def _unsummed_by(self, round_: int, late: list[int]) -> str:
+        named = ", ".join(f"rank {r} on {self._hosts[r]}" for r in late)
+        return (
+            f"{self._who}: partial allreduce: round {round_} is being summed: waiting on "
+            f"{named or 'its contributors'} (its block of the sum)"
+        )
