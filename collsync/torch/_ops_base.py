@@ -302,6 +302,14 @@ def _headers(comm: Any) -> Any:
     return entry[1]
 
 
+def forget(comm: Any) -> None:
+    """Drop what was made for `comm`, a communicator shrunk away after a rank died (ULFM): the stall check would
+    probe its side at every later wait, and fail there on the dead rank."""
+    entry, _ = _HEADERS.pop(id(comm), None), _PENDING.pop(id(comm), None)
+    if entry is not None:
+        _stall.STALL.sides = [side for side in _stall.STALL.sides if side is not entry[2]]
+
+
 def barrier_comm(comm: Any) -> Any:
     """The communicator `barrier()` on `comm` runs on: a duplicate of its own, so that a barrier is ordered neither
     with the data nor with the headers of the operations in flight. A worker may call `barrier()` while an
