@@ -46,8 +46,9 @@ _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: 
 
 class HorovodInternalError(RuntimeError):
     """A collective failed (Horovod's `HorovodInternalError`): here, the workers disagreed on a collective's
-    dtype, shape or root. `hvd.elastic.run` restores the last commit on it and calls the function again, as
-    Horovod's elastic mode does; elsewhere it is an error."""
+    dtype, shape or root, or (inside `hvd.elastic.run`, under ULFM) a worker died in the bsp step. `hvd.elastic.run`
+    restores the last commit on it and calls the function again, as Horovod's elastic mode does; elsewhere it is an
+    error."""
 
 
 class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
