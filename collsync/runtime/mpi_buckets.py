@@ -76,7 +76,9 @@ class BucketReducer:
     the failure revokes and shrinks `comm`, the survivors agree on the step (`mpi_ulfm.plan`: one behind takes the
     last mean), the thread is made again on the survivors' communicator, `on_shrink`'s callbacks get the
     `mpi_ulfm.Shrunk` (a caller's world, data and scale follow it), and the open reduction is done again over
-    n - 1 (`post=None`: the mean of n - 1).
+    n - 1 (`post=None`: the mean of n - 1). With `redo` False (`hvd.elastic`, which rolls back to its last commit)
+    the open reduction is left instead: the survivors agree on the count of reductions only, and `wait()` raises
+    `mpi_ulfm.Shrank`; the next backward pass starts a new reduction on the survivors' communicator.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class BucketReducer:
         self._last = torch.empty_like(buffer.buf) if self.ulfm else buffer.buf
         self.completed = 0  # reductions completed (the survivors of a failure compare them: `mpi_ulfm.plan`)
         self.on_shrink: list[Callable[[mpi_ulfm.Shrunk], None]] = []
+        self.redo = True  # after a shrink, do the open reduction again (False: leave it, raise mpi_ulfm.Shrank)
         self._failed: BaseException | None = None  # a failure raised where it cannot be handled (a hook)
         # Under ULFM `post` stays after the sum: a shrink changes the divisor, and the kept contribution must not
         # hold a 1/n already.
@@ -242,6 +245,8 @@ class BucketReducer:
             self._thread.abandon()
             self._thread = None
         self.comm, self.size, self._failed = shrunk.comm, shrunk.comm.Get_size(), None
+        if not self.redo:
+            self._leave(shrunk, threaded)
         agreed = mpi_ulfm.plan(self.comm.allgather(self.completed))
         behind = self.comm.Get_rank() in agreed.behind
         if agreed.behind:  # the last mean, from a rank that applied it, to those that did not get it
@@ -258,6 +263,19 @@ class BucketReducer:
             a, z = self.slices[b]
             self.buffer.buf[a:z].copy_(self._mine[a:z])
         self._next, self._requests, self._state = 0, [], _ACTIVE
+
+    def _leave(self, shrunk: mpi_ulfm.Shrunk, threaded: bool) -> None:
+        """`_recover` without the redo: the survivors, who may be one reduction apart (see `mpi_ulfm.plan`), agree
+        on the highest count (so a later failure's plan holds), the reducer is made idle, and `Shrank` is raised:
+        the caller's state goes back to before the step, so no mean of the step is wanted."""
+        self.completed = max(self.comm.allgather(self.completed))
+        if threaded:
+            self._thread = CommThread(self.comm)
+        for then in self.on_shrink:
+            then(shrunk)
+        self._reset()
+        self._state = _IDLE
+        raise mpi_ulfm.Shrank(shrunk, self.what)
 
     def _done(self) -> None:
         self._state = _REDUCED

@@ -66,9 +66,12 @@ def errors_return(comm: MPI.Comm) -> MPI.Comm:
 
 def failure(exc: BaseException | None) -> bool:
     """Whether `exc` (or what caused it: a reduction thread's error is re-raised by the waiting thread) is MPI's
-    report of a dead process or of a communicator revoked after one."""
+    report of a dead process or of a communicator revoked after one. A `Shrank` is not: it is the report of a
+    recovery already made."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
+    if isinstance(exc, Shrank):
+        return False
     classes = {getattr(MPI, name, -1) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")}
     seen = 0
     while exc is not None and seen < 8:
@@ -107,6 +110,20 @@ class Shrunk:
     comm: Any
     lost: list[int]
     was: int
+
+
+class Shrank(RuntimeError):  # noqa: N818 - it reports a recovery made, not an error of its own
+    """Raised by a reduction that shrank its communicator after a failure and, asked not to do the open reduction
+    again (`BucketReducer.redo`), left it: the caller rolls back instead (`hvd.elastic` restores its last commit).
+    `shrunk` is what the shrink made."""
+
+    def __init__(self, shrunk: Shrunk, what: str) -> None:
+        named = ", ".join(str(r) for r in shrunk.lost)
+        super().__init__(
+            f"{what}: rank(s) {named} of {shrunk.was} died; the {shrunk.comm.Get_size()} left shrank the "
+            "communicator in place (ULFM) and left the reduction under way"
+        )
+        self.shrunk = shrunk
 
 
 def shrink(comm: MPI.Comm, *also: MPI.Comm | None) -> Shrunk:

@@ -10,7 +10,9 @@ gradients copied into one buffer.
 Under ULFM (Open MPI 5's `mpirun --with-ft ulfm`) the bucketed reduction survives a worker that dies: the reducer
 shrinks the workers' communicator and does the step's reduction again over the n - 1 left (`runtime.mpi_ulfm`);
 here the mean's divisor, the world (`size()`, `rank()`), and `collsync.torch.DistributedSampler`'s shards follow,
-and `opt.lost` names the worker. The step and the user's optimizer go on as if nothing happened.
+and `opt.lost` names the worker. The step and the user's optimizer go on as if nothing happened. Inside
+`hvd.elastic.run` the step is not done again: after the shrink `synchronize()` raises `HorovodInternalError`, as
+Horovod's does, and `run` rolls the state back to its last commit.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from collsync.flat import ParamBuffer
 from collsync.runtime.horovod import allreduce_ as horovod_allreduce_
 from collsync.runtime.mpi_buckets import PASSES_MESSAGE, BucketReducer
 from collsync.runtime.mpi_coll import threads_supported
-from collsync.runtime.mpi_ulfm import Shrunk
+from collsync.runtime.mpi_ulfm import Shrank, Shrunk
 from collsync.runtime.mpi_world import host_of
 from collsync.torch import _mode, _world, ops, sampler
 from collsync.torch._mode import Mode
+from collsync.torch._ops_base import HorovodInternalError, forget
 from collsync.torch._ops_reduce import _allreduce_start
 from collsync.torch._world import World
 
@@ -114,6 +117,7 @@ class AllreduceMode(Mode):
         if self.reducer is not None and self.op == ops.Average:
             self.reducer.post = self.post / n
         _world.shrunk(old, shrunk.comm)
+        forget(old)
         sampler.follow_world(n, shrunk.comm.Get_rank())
         if shrunk.comm.Get_rank() == 0:
             named = ", ".join(f"worker {r} on {host_of(old, r)}" for r in shrunk.lost)
@@ -150,7 +154,12 @@ class AllreduceMode(Mode):
 
     def synchronize(self) -> None:
         if self.reducer is not None:
-            self.reducer.wait()
+            # Inside hvd.elastic.run a lost worker rolls the state back to its last commit: no redo of this step.
+            self.reducer.redo = not (self.st.elastic and self.process_set is ops.global_process_set)
+            try:
+                self.reducer.wait()
+            except Shrank as exc:
+                raise HorovodInternalError(f"collsync.torch: worker {self.st.comm.Get_rank()}: {exc}") from exc
         else:
             means = self.reduce([f.grads() for f in self.flats])
             for flat, mean in zip(self.flats, means, strict=True):

@@ -46,8 +46,9 @@ _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: 
 
 class HorovodInternalError(RuntimeError):
     """A collective failed (Horovod's `HorovodInternalError`): here, the workers disagreed on a collective's
-    dtype, shape or root. `hvd.elastic.run` restores the last commit on it and calls the function again, as
-    Horovod's elastic mode does; elsewhere it is an error."""
+    dtype, shape or root, or (inside `hvd.elastic.run`, under ULFM) a worker died in the bsp step. `hvd.elastic.run`
+    restores the last commit on it and calls the function again, as Horovod's elastic mode does; elsewhere it is an
+    error."""
 
 
 class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
@@ -300,6 +301,14 @@ def _headers(comm: Any) -> Any:
     if entry is None or entry[0] is not comm:
         entry = _HEADERS[id(comm)] = (comm, comm.Dup(), _stall.STALL.side(comm.Dup()), comm.Dup())
     return entry[1]
+
+
+def forget(comm: Any) -> None:
+    """Drop what was made for `comm`, a communicator shrunk away after a rank died (ULFM): the stall check would
+    probe its side at every later wait, and fail there on the dead rank."""
+    entry, _ = _HEADERS.pop(id(comm), None), _PENDING.pop(id(comm), None)
+    if entry is not None:
+        _stall.STALL.sides = [side for side in _stall.STALL.sides if side is not entry[2]]
 
 
 def barrier_comm(comm: Any) -> Any:

@@ -57,6 +57,9 @@ class World:
     serve: bool = True  # server ranks serve inside init() (False: the caller drives them, as collsync-train does)
     deadline: float | None = DEADLINE  # how long start-up and shutdown wait for a rank before naming it lost
     lost: list[Any] = field(default_factory=list)  # serverless ranks gone on without (backup): nobody waits for them
+    # Inside `hvd.elastic.run`: a worker lost under ULFM raises HorovodInternalError from the step (the state rolls
+    # back to its last commit) rather than the step being done again over the survivors.
+    elastic: bool = False
 
 
 _STATE: World | None = None

@@ -5,10 +5,12 @@ callback rescaling the learning rate by `hvd.size()`. It runs with one import ch
 
     mpiexec -n 4 python -m mpi4py tests/scripts/elastic_digits.py --impl horovod --log L
     collsync-run -n 4 --max-restarts 1 -- python -m mpi4py tests/scripts/elastic_digits.py --impl collsync --log L
+    mpirun --with-ft ulfm -n 4 python -m mpi4py tests/scripts/elastic_digits.py --impl collsync --log L
 
-Each rank appends to `L/size<N>-rank<R>.jsonl` one line per batch it trained (epoch, the step, the dataset indices)
-and one per commit, and rank 0 writes the test accuracy to `L/accuracy-size<N>.json` at the end. `--sleep` slows
-each step, so that a test can kill a rank mid-epoch.
+Each rank appends to `L/size<N>-rank<R>.jsonl` (N, R: as it started) one line per batch it trained (epoch, the
+step, the dataset indices), one per commit and one each time `train` starts (again after a rank was lost in place
+under ULFM), and rank 0 writes the test accuracy to `L/accuracy-size<N>.json` at the end (N: the size then).
+`--sleep` slows each step, so that a test can kill a rank mid-epoch.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def main() -> None:
     def train(state: Any) -> None:
         if hvd.rank() == 0:
             print(f"elastic_digits: start at epoch {state.epoch} step {state.step} on {hvd.size()}", flush=True)
+        out.write(json.dumps({"start": state.step, "epoch": state.epoch, "size": hvd.size()}) + "\n")
         for epoch in range(state.epoch, args.epochs):
             state.model.train()
             for _, (x, y, index) in enumerate(train_loader):

@@ -1,7 +1,7 @@
 """The logic of a world shrunk in place under ULFM that needs no MPI: whether ULFM is on (`mpi_ulfm.enabled`), the
-survivors' agreement on the step (`mpi_ulfm.plan`), the replica regrouped on the workers left (`lost.regroup`), and
-a sampler's epoch dealt out afresh among them (`DistributedSampler.reshard`). The MPI side runs in
-tests/integration/test_ulfm.py."""
+survivors' agreement on the step (`mpi_ulfm.plan`), the replica regrouped on the workers left (`lost.regroup`), a
+sampler's epoch dealt out afresh among them (`DistributedSampler.reshard`), and a `Shrank` handed up. The MPI side
+runs in tests/integration/test_ulfm.py and tests/integration/test_elastic.py."""
 
 from __future__ import annotations
 
@@ -85,3 +85,23 @@ def test_a_shrunk_world_deals_out_the_epochs_samples_no_worker_had(drop_last):
     assert all(len(a) == len(after[0]) for a in after)
     for s in left:  # the next epochs are torch's shards of 3
         assert (s.num_replicas, len(s)) == (3, 20)
+
+
+class _Survivors:
+    def Get_size(self) -> int:  # noqa: N802 - mpi4py's name
+        return 3
+
+
+def test_a_reduction_that_shrank_and_left_is_handed_up_not_recovered_again():
+    """`Shrank` (the reducer shrank its communicator and, inside hvd.elastic, left the reduction under way) reports a
+    recovery made: `recovering` raises it at once, without calling `recover` or the attempt again, and it names the
+    ranks lost."""
+    calls: list[str] = []
+
+    def attempt() -> None:
+        calls.append("attempt")
+        raise mpi_ulfm.Shrank(mpi_ulfm.Shrunk(_Survivors(), [2], 4), "the gradient allreduce")
+
+    with pytest.raises(mpi_ulfm.Shrank, match=r"the gradient allreduce: rank\(s\) 2 of 4 died; the 3 left"):
+        mpi_ulfm.recovering(attempt, lambda error: calls.append("recover"))
+    assert calls == ["attempt"]

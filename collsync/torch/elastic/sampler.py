@@ -5,8 +5,9 @@ As Horovod's: the epoch's order is `range(len(dataset))` shuffled by `random.Ran
 Horovod's, so a script gets the same batches under both), the first `processed_num` samples of it are skipped, the
 rest is padded to a multiple of `size()` with its own first samples and dealt out `rank::size`. `record_batch` counts
 a batch of every rank as processed; `set_epoch` starts an epoch afresh. Kept in a `TorchState`, its count is part of
-each commit, so the job relaunched on the ranks left after a rank died (`collsync-run`) deals out only what the
-last commit had not processed, among fewer ranks: nothing committed is computed twice and nothing is skipped.
+each commit, so after a rank died the state restored from the last commit (in place under ULFM, or in the job
+`collsync-run` relaunches on the ranks left) deals out only what that commit had not processed, among fewer ranks:
+nothing committed is computed twice and nothing is skipped.
 
 `record_indices` is the older Horovod interface (0.20-0.21): the indices themselves, joined across ranks at each
 commit, are skipped as well.

@@ -5,7 +5,8 @@ As in Horovod, `commit()` keeps a copy of the state (`save()`) that `restore()` 
 rank equal to rank 0, and reset callbacks run after the world changed. collsync adds one thing: where a commit
 folder is set (`_commit`: `commit_dir=` or `collsync-run`'s `COLLSYNC_ELASTIC_DIR`), rank 0 also writes each commit
 to a file, atomically, so that the job `collsync-run` relaunches on the ranks left after a rank died starts from it
-(`hvd.elastic.run` reads it back): without ULFM no process outlives the lost rank to keep the commit in memory.
+(`hvd.elastic.run` reads it back): without ULFM no process outlives the lost rank to keep the commit in memory
+(under ULFM the survivors do, and `run` restores it in place).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class State:
             callback()
 
     def on_hosts_updated(self, timestamp: int, update_res: Any = None) -> None:
-        """Horovod's driver calls this when hosts come or go. collsync has no such driver: a world only shrinks,
-        by a relaunch, and nothing calls it."""
+        """Horovod's driver calls this when hosts come or go. collsync has no such driver: a world only shrinks
+        (in place under ULFM, where the step raises `HorovodInternalError`; else by a relaunch), and nothing calls
+        it."""
 
     def commit(self) -> None:
         """Keep the current state as the one `restore()` returns to (Horovod's `commit`: `save()`, then
@@ -78,8 +80,9 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise `HostsUpdatedInterrupt` when the set of hosts changed (Horovod: a notification from its driver,
-        agreed across ranks by a broadcast). collsync's world changes only by a relaunch, which no running process
-        sees, so there is never an update to report and no collective is spent on asking."""
+        agreed across ranks by a broadcast). collsync's world changes only when a rank dies: by a relaunch, which no
+        running process sees, or in place under ULFM, which the step reports as `HorovodInternalError`; so there is
+        never an update to report here and no collective is spent on asking."""
 
     @property
     def commits(self) -> int:
