@@ -574,6 +574,99 @@ def _recipe_fasgd_long_sweeps() -> list[list[str]]:
     return [[*common, "method=sasgd", "optimizer.lr=0.1,0.3"], [*common, "method=fasgd", "optimizer.lr=30,100"]]
 
 
+# The simulator at scale on Fashion-MNIST (issue 34, item 5): 16, 32, 100 (000_...'s N = 96 + b = 4) and 256
+# workers, the MLP, every mode at its defaults but async, 100 rounds (async: as many gradients, 100 x N updates).
+_SCALE_WORKERS = {16: 1, 32: 1, 100: 4, 256: 10}  # workers: backups, about 4% as in 000_...'s 96 + 4
+_SCALE_ROUNDS = 100
+
+
+def _scale_sweeps(seeds: str = "seed=0") -> list[list[str]]:
+    """One pass per worker count: bsp, ssp and psp at their defaults; backup with b of about 4%; async (DANA, its
+    default) at lr 0.05 / N, the synchronous lr over N as 000_... App. A relates them (its default 0.05 diverges on
+    Fashion-MNIST already at 16 workers), for 100 x N updates, the gradients of 100 rounds, evaluated as often."""
+    common = ["runtime=sim", "data=fashion_mnist", "plots=false", seeds]
+    sweeps = []
+    for n, b in _SCALE_WORKERS.items():
+        rounds = [*common, f"runtime.workers={n}", f"steps={_SCALE_ROUNDS}", "eval_every=5"]
+        updates = [*common, f"runtime.workers={n}", f"steps={_SCALE_ROUNDS * n}", f"eval_every={5 * n}"]
+        sweeps += [
+            [*rounds, "sync=bsp,ssp,psp"],
+            [*rounds, "sync=backup", f"sync.backups={b}"],
+            [*updates, "sync=async", f"optimizer.lr={0.05 / n:.6g}"],
+        ]
+    return sweeps
+
+
+_SCALE_TARGET = 0.8  # a test accuracy every mode but ssp (its defaults) reaches in 100 rounds at every N
+
+
+def _time_to(rows: list[dict[str, str]], target: float) -> float | None:
+    """The simulated time of the first evaluation at or above `target`, None if none is."""
+    return next((float(r["t"]) for r in rows if float(r["acc"]) >= target), None)
+
+
+def _scale_curves(runs: list[dict[str, Any]], out: Path) -> list[str]:
+    """Test accuracy against simulated time, one panel per worker count; the simulator's own wall time per gradient
+    against N; and a table of time to `_SCALE_TARGET`, final accuracy and wall time per update."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({int(r["overrides"]["runtime.workers"]) for r in runs})
+    modes = sorted({r["overrides"]["sync"] for r in runs})
+    fig, axes = plt.subplots(1, len(sizes) + 1, figsize=(4.2 * (len(sizes) + 1), 3.8))
+    lines = [
+        f"## Time to {_SCALE_TARGET:.0%} (simulated s), final accuracy, simulator wall ms per update / per gradient",
+        "",
+        "| N | " + " | ".join(modes) + " |",
+        "|---" * (len(modes) + 1) + "|",
+    ]
+    for ax, n in zip(axes, sizes, strict=False):
+        cells = []
+        for mode in modes:
+            picked = [r for r in runs if r["overrides"]["sync"] == mode and int(r["overrides"]["runtime.workers"]) == n]
+            if not picked:
+                cells.append("-")
+                continue
+            with open(picked[0]["dir"] / "metrics.csv") as f:
+                rows = list(csv.DictReader(f))
+            ax.plot([float(r["t"]) for r in rows], [float(r["acc"]) for r in rows], label=mode)
+            s = picked[0]["summary"]
+            reached = _time_to(rows, _SCALE_TARGET)
+            cost = s.get("sim_cost") or {}
+            cells.append(
+                f"{'never' if reached is None else f'{reached:.0f}'} / {s['final_acc']:.3f} / "
+                f"{cost.get('per_update_ms', float('nan')):.1f} / {cost.get('per_gradient_ms', float('nan')):.2f}"
+            )
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        ax.set_title(f"{n} workers")
+        ax.set_xlabel("simulated time (s)")
+        ax.set_ylim(0.0, 0.9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy")
+    axes[0].legend(fontsize=8)
+    ax = axes[-1]
+    for mode in modes:
+        points = sorted(
+            (int(r["overrides"]["runtime.workers"]), r["summary"]["sim_cost"]["per_gradient_ms"])
+            for r in runs
+            if r["overrides"]["sync"] == mode and r["summary"].get("sim_cost")
+        )
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=mode)
+    ax.set_xscale("log")
+    ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)
+    ax.minorticks_off()
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("simulator wall ms per gradient")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_time.png", dpi=110)
+    plt.close(fig)
+    return [*lines, "", "![accuracy vs time, and cost per gradient](accuracy_vs_time.png)", ""]
+
+
 def _tuned(rows: str, lr: str, value: str) -> Callable[[list[dict[str, Any]], Path], list[str]]:
     """A README section and `tuned.md`: for each row (method) and worker count, the grid's lr with the lowest mean
     `value` over seeds, with that mean and the spread; the lr is chosen per worker count, as a user would tune."""
@@ -1001,6 +1094,19 @@ STUDIES: dict[str, Study] = {
         "[the overview](../README.md).",
         quick=_QUICK,
         plots=_tuned("method", "optimizer.lr", "final_error"),
+    ),
+    "sim_scale_fashion": Study(
+        title="The simulator at scale on Fashion-MNIST: bsp, backup, ssp, psp, async at 16-256 workers",
+        sweeps=_scale_sweeps(),
+        rows="sync",
+        cols="runtime.workers",
+        values=("time_to_acc:0.8", "final_acc", "sim_cost:per_update_ms", "sim_cost:per_gradient_ms"),
+        intro="Fashion-MNIST (60,000 training, 10,000 test images), the MLP (one hidden layer of 64), batch 32, "
+        "heterogeneous gamma workers (the default), 100 rounds of every round policy at its defaults, backup with "
+        "b = 1, 1, 4, 10 of 16, 32, 100, 256, async (DANA) at lr 0.05 / N for 100 x N updates; one seed. "
+        "benchmarks/README.md has the commands and the verdict.",
+        quick=["seed=0"],
+        plots=_scale_curves,
     ),
     "specsync": Study(
         title="SpecSync vs ASP, SSP and naive waiting, 8 workers: simulated time to 90% (004_... Fig. 8, 10, 12-13)",

@@ -148,6 +148,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"time to acc  {reached or '-'}",
         ]
         + ([f"EMA          {s['ema_note']}"] if s.get("ema_note") else [])
+        + _cost_line(s.get("sim_cost"))
         + (
             [f"bandwidth    pushes {_num(s['push_ratio'])} of possible, fetches {_num(s['fetch_ratio'])}"]
             if (s.get("push_ratio") or 1.0) < 1.0 or (s.get("fetch_ratio") or 1.0) < 1.0
@@ -164,6 +165,17 @@ def format_summary(s: dict[str, Any]) -> str:
             else []
         )
     )
+
+
+def _cost_line(cost: dict[str, Any] | None) -> list[str]:
+    """The simulator's own wall time (`runs.simulated.sim_cost`), where the summary has it."""
+    if not cost:
+        return []
+    return [
+        f"simulator    {_num(cost.get('per_update_ms'), '.2f')} ms wall per update, "
+        f"{_num(cost.get('per_gradient_ms'), '.2f')} ms per gradient ({cost['wall_s']:.1f} s; evaluation and "
+        f"checkpoints {cost['aside_wall_s']:.1f} s more)"
+    ]
 
 
 def metrics_rows(trace: TraceLike) -> list[dict[str, Any]]:

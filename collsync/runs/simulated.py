@@ -1,8 +1,14 @@
 """The simulated run (`runtime=sim`): every worker and the server in this process, on the simulator's seeded
-virtual clock (`collsync.sim.Simulator`), with checkpoints that hold the simulator's own state."""
+virtual clock (`collsync.sim.Simulator`), with checkpoints that hold the simulator's own state.
+
+The summary's `sim_cost` is what the simulation itself cost in wall time (event loop, gradients, server updates),
+evaluation and checkpoints left out: the figure that says how a study's runs grow with the number of workers.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +46,47 @@ def run_simulated(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any
     def save(why: str) -> None:
         write_run(out_dir, sim.trace, parts.policy, server, parts.config, extra={"incomplete": why}, up_to_all=wide)
 
+    aside = _Aside()
+    first, computed = server.version, len(sim.trace.of("start"))  # a resumed run counts this process's part only
     with keep_on_failure(save):
         if saved is None:
             evaluate(server)
-        sim.run(server, grads, on_update=evaluate, between=between)
+        start = time.perf_counter()
+        sim.run(server, grads, on_update=aside.timed(evaluate), between=aside.timed(between))
+        spent = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    spec = sim.specsync_summary(flat.numel, flat.params.element_size())  # SpecSync's counts and bytes, if any
-    return write_run(out_dir, sim.trace, parts.policy, server, parts.config, extra=spec or None, up_to_all=wide)
+    extra = sim.specsync_summary(flat.numel, flat.params.element_size())  # SpecSync's counts and bytes, if any
+    gradients = len(sim.trace.of("start")) - computed
+    extra["sim_cost"] = sim_cost(spent - aside.seconds, aside.seconds, server.version - first, gradients)
+    return write_run(out_dir, sim.trace, parts.policy, server, parts.config, extra=extra, up_to_all=wide)
+
+
+def sim_cost(wall_s: float, aside_s: float, updates: int, gradients: int) -> dict[str, float | None]:
+    """The simulator's own wall time (`wall_s`), in all and per update and per gradient computed, beside the time
+    spent evaluating and checkpointing (`aside_s`). A round policy computes about n gradients per update, a stream
+    policy one: per gradient is the figure that should stay flat as n grows."""
+    return {
+        "wall_s": wall_s,
+        "aside_wall_s": aside_s,
+        "per_update_ms": 1e3 * wall_s / updates if updates else None,
+        "per_gradient_ms": 1e3 * wall_s / gradients if gradients else None,
+    }
+
+
+class _Aside:
+    """Wall seconds spent in the callbacks a simulation calls (evaluation, checkpoints), to leave them out of the
+    simulator's own cost."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, call: Callable[..., None]) -> Callable[..., None]:
+        def timed_call(*args: Any) -> None:
+            start = time.perf_counter()
+            try:
+                call(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed_call

@@ -29,6 +29,11 @@ def test_default_run_writes_its_folder(tmp_path):
     assert summary["trace_checks"]["updates"] == 40
     assert summary["trace_checks"]["pushed"] == summary["trace_checks"]["applied"] + summary["trace_checks"]["dropped"]
     assert "acc" in proc.stdout.lower()
+    cost = summary["sim_cost"]  # the simulator's own wall time, evaluation (aside) left out
+    assert cost["wall_s"] > 0 and cost["aside_wall_s"] > 0
+    assert abs(cost["per_update_ms"] - 1e3 * cost["wall_s"] / 40) < 1e-6 * cost["per_update_ms"]
+    assert cost["per_gradient_ms"] < cost["per_update_ms"]  # rounds of 4 workers: several gradients an update
+    assert "ms wall per update" in proc.stdout
 
 
 def test_fashion_mnist_trains_from_the_debian_package(tmp_path, monkeypatch):

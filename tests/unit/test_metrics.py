@@ -26,6 +26,7 @@ from collsync.metrics import (
 from collsync.policy import asynchronous, backup, ssp
 from collsync.report import main as report_main
 from collsync.runfiles import run_names, write_report
+from collsync.runs.simulated import sim_cost
 from collsync.trace import Trace
 
 
@@ -335,3 +336,14 @@ def test_format_summary_adds_a_line_for_server_shards(async_trace):
     s["shards"] = [{"updates": 300, "dropped": 4}, {"updates": 300, "dropped": 7}]
     s["partial_pulls"] = 12
     assert format_summary(s).splitlines()[-1] == "shards       2: updates 300 / 300  dropped 4 / 7  partial pulls 12"
+
+
+def test_the_simulators_cost_per_update_and_per_gradient():
+    cost = sim_cost(2.0, 0.5, updates=100, gradients=800)
+    assert cost == {"wall_s": 2.0, "aside_wall_s": 0.5, "per_update_ms": 20.0, "per_gradient_ms": 2.5}
+    assert sim_cost(0.1, 0.0, updates=0, gradients=0)["per_update_ms"] is None  # a resumed run already finished
+    line = format_summary({**summary(Trace()), "sim_cost": cost}).splitlines()[-1]
+    assert line == (
+        "simulator    20.00 ms wall per update, 2.50 ms per gradient (2.0 s; evaluation and checkpoints 0.5 s more)"
+    )
+    assert "simulator" not in format_summary(summary(Trace()))
