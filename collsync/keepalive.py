@@ -18,6 +18,7 @@ then knows that a rank died (`rank_failed`), and its waits on a silent rank end 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ from typing import Any
 KEEPALIVE_ENV = "COLLSYNC_KEEPALIVE"
 NOTICE_SIGNAL = signal.SIGUSR2
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 USAGE = "usage: python -m collsync.keepalive -- COMMAND [ARG ...]"
 
 
@@ -42,8 +44,9 @@ def exit_status(wait_status: int) -> int:
 
 def spawn(command: Sequence[str], blocked: set[signal.Signals]) -> int:
     """Start `command` in a process group of its own, with this process's signal mask and dispositions undone
-    (the shim blocks what it waits for; the child must get those signals as a rank started directly would)."""
-    env = {**os.environ, KEEPALIVE_ENV: "1"}
+    (the shim blocks what it waits for; the child must get those signals as a rank started directly would). The
+    child's `KEEPALIVE_ENV` holds this shim's pid (`watch_notice` ties the rank's life to it)."""
+    env = {**os.environ, KEEPALIVE_ENV: str(os.getpid())}
     path = command[0]
     return os.posix_spawnp(path, list(command), env, setpgroup=0, setsigmask=(), setsigdef=blocked)
 
@@ -100,9 +103,30 @@ def _noted(signum: int, frame: Any) -> None:
 def watch_notice() -> None:
     """In a rank run under this shim, take the launcher's failure notice (`NOTICE_SIGNAL`) as "a rank died"
     (`rank_failed`), so that the run goes on without it where the mode can. Without the shim the notice is SIGUSR1
-    itself, a stop to collsync, and the launcher ends the job anyway. Main thread only (Python's signal handlers)."""
+    itself, a stop to collsync, and the launcher ends the job anyway. Main thread only (Python's signal handlers).
+
+    The rank also dies with its shim (`die_with_shim`)."""
     if os.environ.get(KEEPALIVE_ENV) and threading.current_thread() is threading.main_thread():
         signal.signal(NOTICE_SIGNAL, _noted)
+        die_with_shim()
+
+
+def die_with_shim() -> None:
+    """Where the launcher kills a job it ends (an abort, its own SIGKILL) it kills the process group it started,
+    the shim's, not the rank's own group: the rank would live on as an orphan until its deadline. So the rank asks
+    Linux for SIGKILL when its parent dies (`PR_SET_PDEATHSIG`), as a rank started directly dies with the job, and
+    exits at once if the shim is already gone. Elsewhere (no prctl) nothing changes."""
+    shim = os.environ.get(KEEPALIVE_ENV, "")
+    if not sys.platform.startswith("linux") or not shim.isdigit():
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(shim):  # the shim died before the request: nobody would send the signal
+        os._exit(128 + signal.SIGKILL)
 
 
 def rank_failed() -> float | None:

@@ -41,7 +41,7 @@ def test_signals_are_passed_on_and_sigusr1_from_anyone_but_the_launcher_stays_a_
     passed on and the child's status comes back."""
     proc = subprocess.Popen([*SHIM, sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    assert proc.stdout.readline().split() == ["ready", "1"]
+    assert proc.stdout.readline().split() == ["ready", str(proc.pid)]  # the shim's pid
     subprocess.run(["kill", "-USR1", str(proc.pid)], check=True)  # sent by a process that is not its parent
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
@@ -59,6 +59,34 @@ def test_the_launchers_sigusr1_is_the_notice() -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.stdout.read().split() == ["SIGUSR2", "TERM"]
     proc.wait(timeout=60)
+
+
+# A rank that took the notice (`watch_notice`) and writes its pid, then waits to be killed.
+RANK = (
+    "import os, time\n"
+    "from collsync import keepalive\n"
+    "keepalive.watch_notice()\n"
+    "print(os.getpid(), flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_a_rank_dies_with_its_shim() -> None:
+    """The launcher ends a job by killing the process group it started, the shim's: the rank (in its own group)
+    must not live on as an orphan until its deadline."""
+    proc = subprocess.Popen([*SHIM, sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    rank = int(proc.stdout.readline())
+    proc.kill()  # SIGKILL to the shim alone, as the launcher's cleanup sends it
+    proc.wait(timeout=60)
+    end = time.monotonic() + 30
+    while Path(f"/proc/{rank}").exists() and time.monotonic() < end:
+        zombie = Path(f"/proc/{rank}/stat").read_text().split(") ")[1].startswith("Z")
+        if zombie:
+            break
+        time.sleep(0.05)
+    gone = not Path(f"/proc/{rank}").exists() or Path(f"/proc/{rank}/stat").read_text().split(") ")[1][0] == "Z"
+    assert gone, f"rank {rank} outlived its shim"
 
 
 def test_patience_after_the_notice() -> None:
