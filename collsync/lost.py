@@ -60,6 +60,11 @@ def lose_silent(server: Server, mailbox: ServingMailbox, heard: list[float], now
     `keepalive.NOTICE_PATIENCE_S` is enough where the deadline is longer."""
     deadline = keepalive.patience(server.policy.deadline)
     assert deadline is not None
+    # A worker whose gradient is buffered waits on the server (BSP's barrier, SSP's bound), not the other way round:
+    # its silence starts only once that gradient is applied. Else, the round it waited for applied at last (another
+    # worker lost, say), it would owe the next gradient having been "silent" all the while, and be lost at once.
+    for w in {a.worker for batch in server.pending.values() for a in batch}:
+        heard[w] = max(heard[w], now)
     silent = [w for w in range(server.workers) if w not in server.lost and now - heard[w] >= deadline]
     if silent:
         left = mailbox.departed()

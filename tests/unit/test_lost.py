@@ -14,7 +14,7 @@ import torch
 
 from collsync.checks import TraceError, check_trace
 from collsync.loops import Worker, run_server, run_worker
-from collsync.lost import close_serving
+from collsync.lost import close_serving, lose_silent
 from collsync.policy import SyncPolicy, asynchronous, backup, bfasgd, bsp, psp, specsync, ssp
 from collsync.rules import sgd
 from collsync.server import Server
@@ -287,3 +287,20 @@ def test_the_end_tells_nothing_when_the_deadline_is_shorter_than_the_patience():
     server, box = _ended(asynchronous(deadline=0.2), 3)
     close_serving(server, box, lambda out: pytest.fail(f"waited on {out}"), patience=5.0)
     assert server.lost == [2]
+
+
+def test_a_worker_that_waited_on_the_server_is_not_silent_when_its_round_is_applied_at_last():
+    """SSP: workers 0 and 2 sent round 0's gradient 6 s ago and wait at the bound for worker 1, which stopped. At
+    the deadline worker 1 is lost and the round applied; 0 and 2 now owe the next gradient, but their silence starts
+    there, not when they last sent (before: both lost at the next look, and the run stopped with nobody left)."""
+    server, box = make(ssp(1, deadline=5.0), 3), Threads(3, 3)
+    for w in (0, 2):
+        server.accept(arrival(w, 0))
+    now = time.monotonic()
+    heard = [now - 6.0] * 3
+    assert lose_silent(server, box, heard, now)
+    assert server.lost == [1] and server.version >= 1
+    assert not lose_silent(server, box, heard, now + 0.1)  # nobody else silent yet
+    assert server.lost == [1]
+    with pytest.raises(TimeoutError, match="round 1 got no gradient"):  # both silent for the deadline: none left
+        lose_silent(server, box, heard, now + 5.1)
