@@ -30,28 +30,7 @@ from collsync.policy import SyncPolicy, backup, bsp
 from collsync.rules import momentum
 from collsync.server import Server
 from collsync.sim import Simulator
-
-
-class OneSlow:
-    """The last worker takes `factor` model seconds a batch, the others 1 (no message delay, nobody frozen)."""
-
-    class model:  # noqa: N801 - the attribute the simulator reads of a straggler model
-        slow_server = 0.0
-
-    def __init__(self, workers: int, factor: float) -> None:
-        self.last, self.factor = workers - 1, factor
-
-    def sampler(self, workers: int, seed: int) -> Any:
-        return self
-
-    def compute_time(self, worker: int, index: int) -> float:
-        return self.factor if worker == self.last else 1.0
-
-    def message_delay(self, worker: int, index: int) -> float:
-        return 0.0
-
-    def is_frozen(self, worker: int, now: float) -> bool:
-        return False
+from collsync.stragglers import OneSlow
 
 
 def accuracy(flat: FlatModel, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -220,3 +221,27 @@ def slow_server(seconds: float = 1.0, shard: int = 0, mean: float = 1.0) -> Stra
     """A slow parameter server (003_...): the server of shard `shard` spends `seconds` more on every update before
     its workers see it; every batch takes `mean` seconds."""
     return Stragglers("constant", mean=mean, slow_server=seconds, shard=shard)
+
+
+class OneSlow:
+    """A deterministic straggler model for the simulator: the last of `workers` takes `factor` model seconds a batch,
+    the others 1 (no message delay, nobody frozen). The three-front agreement test and `benchmarks/backup_batches.py`
+    use it where a sleep on the MPI side must match the simulated clock."""
+
+    class model:  # noqa: N801 - the attribute the simulator reads of a straggler model
+        slow_server = 0.0
+
+    def __init__(self, workers: int, factor: float) -> None:
+        self.last, self.factor = workers - 1, factor
+
+    def sampler(self, workers: int, seed: int) -> Any:
+        return self
+
+    def compute_time(self, worker: int, index: int) -> float:
+        return self.factor if worker == self.last else 1.0
+
+    def message_delay(self, worker: int, index: int) -> float:
+        return 0.0
+
+    def is_frozen(self, worker: int, now: float) -> bool:
+        return False

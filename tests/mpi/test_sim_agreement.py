@@ -21,6 +21,7 @@ from collsync.runtime.mpi_partial import PartialAllreduce
 from collsync.runtime.mpi_rma import WindowMailbox
 from collsync.server import Server
 from collsync.sim import Simulator
+from collsync.stragglers import OneSlow
 from collsync.trace import Trace
 
 NUMEL, STEPS = 33, 25
@@ -73,28 +74,6 @@ def test_serverless_runs_equal_the_simulator_to_float_tolerance(comm):
     # Full-quorum rounds are an MPI allreduce (summed in MPI's order, not the simulator's worker order): equal to
     # float tolerance above, and the same bits on every rank, so the replicas never drift apart.
     assert len(set(comm.allgather(partial.params.numpy().tobytes()))) == 1
-
-
-class OneSlow:
-    """A straggler model for the simulator: the last worker takes `factor` model seconds a batch, the others 1."""
-
-    class model:  # noqa: N801 - the attribute the simulator reads of a straggler model
-        slow_server = 0.0
-
-    def __init__(self, workers: int, factor: float) -> None:
-        self.last, self.factor = workers - 1, factor
-
-    def sampler(self, workers: int, seed: int) -> Any:
-        return self
-
-    def compute_time(self, worker: int, index: int) -> float:
-        return self.factor if worker == self.last else 1.0
-
-    def message_delay(self, worker: int, index: int) -> float:
-        return 0.0
-
-    def is_frozen(self, worker: int, now: float) -> bool:
-        return False
 
 
 # (the slow worker's step, the margin) in each front's seconds: within the margin, every round takes every worker;
