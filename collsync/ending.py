@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
+from collsync.say import say
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
@@ -142,7 +144,7 @@ def end(
     time to reach the launcher, or, without `comm`, `os._exit(status)` after `linger` seconds (no `MPI_Finalize`)."""
     time.sleep(defer)
     if line is not None:
-        print(line, file=sys.stderr, flush=True)
+        say(line)
     sys.stdout.flush()
     sys.stderr.flush()
     if comm is not None:

@@ -23,7 +23,6 @@ At the end the ranks first meet through flags (`leave_live`), not a barrier: one
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from collsync import keepalive
 from collsync.runtime.mpi_windows import Backoff
 from collsync.runtime.mpi_world import RankLost
+from collsync.say import say
 
 
 class LostRanks:
@@ -71,12 +71,10 @@ class LostRanks:
             return False
         for r in fresh:
             if self._fetch(self._lost_at + r, int(read[r]), self.MPI.MAX) < 0:
-                print(
+                say(
                     f"{self._who}: partial allreduce: rank {r} on {self._hosts[r]} is lost (it has not read round "
                     f"{int(read[r])} for {keepalive.patience(self.timeout)}s, round {round_} waits on it); going on "
-                    f"without it (up to {self.tolerate} lost)",
-                    file=sys.stderr,
-                    flush=True,
+                    f"without it (up to {self.tolerate} lost)"
                 )
         self._learn_lost()
         self._read_for_lost()

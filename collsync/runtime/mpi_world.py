@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -17,6 +16,7 @@ import torch
 from collsync.ending import end, stop_now
 from collsync.runtime import startup
 from collsync.runtime.spec import SIZE_VARS, launched_under_mpi
+from collsync.say import say
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -289,6 +289,6 @@ def abort_on_error(comm: MPI.Comm, user_errors: tuple[type[BaseException], ...] 
     except BaseException as exc:  # noqa: BLE001 - every failure must take the world down
         if isinstance(exc, user_errors):
             end(2, f"collsync: {rank_prefix(comm)}: error: {exc}", comm=comm)
-        print(f"collsync: {rank_prefix(comm)}: unhandled error:", file=sys.stderr, flush=True)
+        say(f"collsync: {rank_prefix(comm)}: unhandled error:")
         traceback.print_exc()
         end(1, comm=comm)

@@ -17,7 +17,6 @@ Horovod's does, and `run` rolls the state back to its last commit.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ from collsync.runtime.mpi_buckets import PASSES_MESSAGE, BucketReducer
 from collsync.runtime.mpi_coll import threads_supported
 from collsync.runtime.mpi_ulfm import Shrank, Shrunk
 from collsync.runtime.mpi_world import host_of
+from collsync.say import say
 from collsync.torch import _mode, _world, ops, sampler
 from collsync.torch._mode import Mode
 from collsync.torch._ops_base import HorovodInternalError, forget
@@ -121,11 +121,7 @@ class AllreduceMode(Mode):
         sampler.follow_world(n, shrunk.comm.Get_rank())
         if shrunk.comm.Get_rank() == 0:
             named = ", ".join(f"worker {r} on {host_of(old, r)}" for r in shrunk.lost)
-            print(
-                f"collsync: {named} died; going on in place with {n} of {shrunk.was} workers (ULFM)",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"collsync: {named} died; going on in place with {n} of {shrunk.was} workers (ULFM)")
 
     def _completed(self) -> int | None:
         """The reductions this optimizer completed: the last step a lost worker took part in."""

@@ -18,12 +18,12 @@ not inside a collective (computing, or stopped). What the warning says, one line
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from collsync import ending
+from collsync.say import say
 
 QUERY, ANSWER = 7411, 7412
 _TICK_S = 0.01  # how often a waiting worker looks for questions (a probe costs about a microsecond)
@@ -90,7 +90,7 @@ class StallCheck:
             self._ask(side, now)
         if self.warn_s is not None and waited >= self.warn_s and (id(side), seq) not in self._warned:
             self._warned.add((id(side), seq))
-            print(self._report(side, seq, what, waited), file=sys.stderr, flush=True)
+            say(self._report(side, seq, what, waited))
         if self.end_s is not None and waited >= self.end_s:
             # The lowest worker waiting here ends the job; the others give its abort a moment to come first (two
             # aborts at once leave the launcher's status to chance).

@@ -6,6 +6,7 @@ another collective (it says the last collective it called). Once at short times,
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,7 +36,8 @@ def _run(missing: str, warn: float | None, end: float) -> tuple[subprocess.Compl
 
 
 def _lines(proc: subprocess.CompletedProcess) -> list[str]:
-    return [x for x in proc.stderr.splitlines() if x.startswith("collsync: worker ") and "has waited" in x]
+    # Each rank writes its line in one write; matched within lines all the same, in case a launcher splits a read.
+    return re.findall(r"collsync: worker \d+ has waited .*?(?=collsync: worker |$)", proc.stderr, flags=re.M)
 
 
 @pytest.mark.parametrize(

@@ -37,11 +37,11 @@ refuses horovodrun's `--host-discovery-script` and a `--max-np` above `-n`.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from collsync.runtime.mpi_ulfm import Shrank
+from collsync.say import say
 from collsync.torch import _world
 from collsync.torch._ops_base import HorovodInternalError, HostsUpdatedInterrupt
 from collsync.torch._world import init, shutdown, size
@@ -67,11 +67,9 @@ def _resume(state: State) -> bool:
     commits, was = summary
     state._commits = commits
     if state._rank() == 0:
-        print(
+        say(
             f"collsync.torch.elastic: rank 0: resumed from commit {commits} (written on {was} rank(s), now "
-            f"{size()}) in {state.commit_path}",
-            file=sys.stderr,
-            flush=True,
+            f"{size()}) in {state.commit_path}"
         )
     return True
 
@@ -116,11 +114,9 @@ def _loop(func: Callable[..., R], state: State, *args: Any, **kwargs: Any) -> R:
             skip_sync = False
             why: BaseException = exc
             if isinstance(exc.__cause__, Shrank) and state._rank() == 0:
-                print(
+                say(
                     f"collsync.torch.elastic: rank 0: restored commit {state.commits}; going on in place with "
-                    f"{size()} rank(s) (ULFM)",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{size()} rank(s) (ULFM)"
                 )
         except HostsUpdatedInterrupt as exc:
             skip_sync = exc.skip_sync
