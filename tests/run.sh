@@ -26,10 +26,13 @@ stage "unit and simulator tests (in-process, no launcher, no clock: two pytest-x
 
 stage "CLI and launch tests, two at a time (pytest-xdist, a test file to a worker: files share their launches)"
 "$PY" -m pytest tests/integration -m "not serial" -q -rs -n 2 --dist loadfile --durations=15
-stage "CLI and launch tests that stop ranks, wait on deadlines or count aborts (one at a time)"
+stage "CLI and launch tests that stop ranks, wait on deadlines or count aborts (two files at a time)"
+# Most of this stage's time is waiting on deadlines with the cores idle (one file at a time kept them ~35% busy): two
+# files at a time, each file's tests in order on one worker.
 # The start-up stall tests last: run just before tests/integration/test_torch_lost.py (5 s deadlines), they were
 # followed by a live worker lost there (1 of 1 tries; that file alone: 5 of 5 passed). Cause not found yet.
-"$PY" -m pytest tests/integration -m serial -q -rs --durations=30 --deselect tests/integration/test_startup_stall.py
+"$PY" -m pytest tests/integration -m serial -q -rs -n 2 --dist loadfile --durations=30 \
+    --deselect tests/integration/test_startup_stall.py
 "$PY" -m pytest tests/integration/test_startup_stall.py -m serial -q -rs
 
 for n in 1 4; do
