@@ -259,8 +259,7 @@ def _check_world() -> None:
     python: every rank is a world of its own). The launcher's rank 0 prints one line; the others exit quietly."""
     if not launched_under_mpi():
         return
-    from collsync.runtime import startup
-    from collsync.runtime.mpi_world import world
+    from collsync.runtime import startup  # stdlib only: the watchdog is armed before torch loads
 
     deadline = _startup_deadline(sys.argv[1:])
     if deadline is not None and deadline < MIN_LAUNCH_DEADLINE_S:
@@ -274,23 +273,29 @@ def _check_world() -> None:
                 flush=True,
             )
         sys.exit(2)
-    # MPI_Init (in `world`) waits until every rank the launcher started has joined: a rank that never does would hold
-    # this one there for ever, where no deadline of the runtime's reaches. The start-up watchdog bounds it.
+    # MPI_Init waits for every rank (one that never starts holds it for ever): bounded, armed before torch's seconds
     startup.arm("collsync-train", deadline)
+    _start_mpi()
+    startup.mpi_up()
+    from collsync.runtime.mpi_world import world  # torch and numpy load now, under the exchange's bound
+
     try:
         world()
     except RuntimeError as exc:  # check_world_size's mismatch: MPI itself is up, but each rank is alone in it
         if launcher_rank() == 0:
             print(f"collsync-train: rank 0: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    startup.mpi_up()
+
+
+def _start_mpi() -> None:
+    from mpi4py import MPI  # noqa: F401 - MPI_Init, bounded by the start-up watchdog armed before it
 
 
 def _startup_deadline(argv: list[str]) -> float | None:
     """The deadline of MPI's start-up and of the start-up exchange, before Hydra composed the config (which needs
     every rank in to report an error once): `sync.deadline=` as given on the command line (null: none), else the
     policies' default, also for a value the config refuses (not a number, not > 0), which it then names."""
-    from collsync.policy import DEADLINE
+    from collsync.deadline import DEADLINE  # not collsync.policy's import: that loads torch, after the watchdog
 
     given = [a.split("=", 1)[1] for a in argv if a.startswith(("sync.deadline=", "++sync.deadline="))]
     if not given:
@@ -315,6 +320,7 @@ def _shared_run_dir() -> None:
     from collsync.runtime import startup
     from collsync.runtime.mpi_world import RankLost, hello
 
+    startup.exchange_begins()  # the backstop counts from here: the imports since MPI_Init are not the exchange's
     try:
         hello(MPI.COMM_WORLD, _startup_deadline(sys.argv[1:]))
     except RankLost as exc:
@@ -352,9 +358,9 @@ def train() -> None:
 
         print(f"collsync {__version__}")
         return
-    from collsync import checkpoint  # lazily, as in `_train`: torch loads once a run is asked for, not for --version
-
     _check_world()  # MPI_Init: before the handlers, which a rank held inside it (by a rank that never came) never runs
+    from collsync import checkpoint  # lazily, as in `_train`: torch loads once MPI is up, and not for --version
+
     # From here a stop signal is a request that the start-up waits look at (they end the process at once, 128 + n):
     # Python's defaults would leave a traceback (SIGINT) or nothing at all to say which rank stopped.
     checkpoint.install()

@@ -25,6 +25,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
+from collsync.deadline import DEADLINE as DEADLINE  # the default deadline (a module of its own: no torch)
 from collsync.rules.fasgd import bfasgd_probability
 from collsync.specsync import Speculation
 
@@ -187,11 +188,6 @@ class SyncPolicy:
 
 # What `sync.on_lost` may say (None: the policy's default, see `SyncPolicy.tolerates`).
 ON_LOST = (None, "continue", "stop")
-
-# The longest a server waits for any gradient at all (and, at the end, for a worker to stop) before it stops the run
-# naming the workers it waits for: finite by default, so a stopped or dead worker never hangs a job for ever. None
-# (`sync.deadline=null`) waits for ever, when asked for.
-DEADLINE = 600.0
 
 
 def bsp(deadline: float | None = DEADLINE, on_lost: str | None = None) -> SyncPolicy:

@@ -9,9 +9,10 @@ Runtimes move tensors and nothing else: what a tensor means is decided by `colls
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from collsync.types import Arrival, Flat, Stamp
+if TYPE_CHECKING:  # annotations only: `collsync.runtime.startup` and `spec` load before torch (collsync-train)
+    from collsync.types import Arrival, Flat, Stamp
 
 
 class WorkerMailbox(Protocol):

@@ -19,7 +19,9 @@ no GIL:
 
 Once MPI is up (`mpi_up`), the bound becomes a backstop for the start-up exchange that follows, which bounds itself
 by the same deadline and names the ranks that did not arrive (it is given that time, its roll call and its report
-first); `disarm`, after the exchange, ends both. The deadline is the run's own `sync.deadline` (`init(deadline=...)`
+first; `exchange_begins` restarts it where a front imports more in between); `disarm`, after the exchange, ends
+both. `collsync-train` arms it before torch loads (this module and `spec` import only the standard library), so that
+its deadline counts from about the process's start. The deadline is the run's own `sync.deadline` (`init(deadline=...)`
 in a `collsync.torch` script): a rank missing at the start is a rank lost, and a second knob would only be set to
 the same value. It counts from this rank's own `arm`, so it must also cover how much later the last healthy rank
 gets there (its imports: seconds, or more from a shared file system on a large job). `faulthandler` keeps one such
@@ -46,6 +48,7 @@ __all__ = [
     "STALL_PID_ENV",
     "arm",
     "mpi_up",
+    "exchange_begins",
     "disarm",
     "armed",
     "exchange_bound",
@@ -229,14 +232,21 @@ def arm(prog: str, deadline: float | None) -> None:
 
 def mpi_up() -> None:
     """MPI_Init returned: what is left is the start-up exchange, which bounds itself; keep a backstop on it."""
+    exchange_begins()
+
+
+def exchange_begins() -> None:
+    """(Re)start the backstop on the start-up exchange from now: at `mpi_up`, and again where a front loads more
+    between MPI_Init and the exchange (`collsync-train` imports torch then), so that the backstop never speaks over
+    the exchange's own report however long those imports took."""
     watch = _ARMED
     if watch is None:
         return
     bound = exchange_bound(watch.deadline)
     text = (
         f"{watch.prog}: rank {launcher_rank()} on {socket.gethostname()}: start-up: the start-up exchange did not "
-        f"complete within {bound:g}s of MPI's start-up (deadline={watch.deadline:g}s); this rank exits (status 1) "
-        f"so that the launcher ends the job"
+        f"complete within {bound:g}s (deadline={watch.deadline:g}s); this rank exits (status 1) so that the "
+        f"launcher ends the job"
     )
     try:
         os.write(watch.pipe, f"{time.monotonic() + bound!r}\t{text}\n".encode())

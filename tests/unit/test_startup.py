@@ -4,6 +4,7 @@ that holds Python's GIL in C (as MPI_Init does inside mpi4py's import), where no
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,10 +23,11 @@ LAUNCHED = {"PMI_SIZE": "4", "PMI_RANK": "1"}
 
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
-    """`startup.arm` and `mpi_up` recorded instead of run; `mpi_world.world` a stub (no MPI in-process)."""
+    """`startup.arm`, MPI_Init and `mpi_up` recorded instead of run; `mpi_world.world` a stub (no MPI in-process)."""
     calls: list[tuple[str, object]] = []
     monkeypatch.setattr(startup, "arm", lambda prog, deadline: calls.append((prog, deadline)))
     monkeypatch.setattr(startup, "mpi_up", lambda: calls.append(("mpi_up", None)))
+    monkeypatch.setattr(cli, "_start_mpi", lambda: calls.append(("MPI_Init", None)))
     monkeypatch.setattr(mpi_world, "world", lambda: None)
     for var, value in LAUNCHED.items():
         monkeypatch.setenv(var, value)
@@ -47,7 +49,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
 def test_collsync_train_arms_the_watchdog_with_the_run_deadline_before_mpi(recorded, monkeypatch, argv, deadline):
     monkeypatch.setattr(sys, "argv", ["collsync-train", *argv])
     cli._check_world()
-    assert recorded == [("collsync-train", deadline), ("mpi_up", None)]
+    assert recorded == [("collsync-train", deadline), ("MPI_Init", None), ("mpi_up", None)]
 
 
 def test_the_default_deadline_is_the_policies(recorded, monkeypatch):
@@ -59,6 +61,32 @@ def test_the_default_deadline_is_the_policies(recorded, monkeypatch):
     assert options
     for option in options:
         assert "\ndeadline: 600.0\n" in option.read_text(), option.name
+
+
+# collsync-train in a fresh interpreter, as a launcher starts it, with `arm` replaced by a report of what had loaded.
+_ARMS_FIRST = """
+import json, os, sys
+from collsync.runtime import startup
+def arm(prog, deadline):
+    loaded = sorted(m for m in ("torch", "numpy", "mpi4py.MPI") if m in sys.modules)
+    print(json.dumps([prog, deadline, loaded]), flush=True)
+    os._exit(0)
+startup.arm = arm
+sys.argv = ["collsync-train", "sync=async", "sync.deadline=15"]
+from collsync import cli
+cli.train()
+"""
+
+
+def test_collsync_train_arms_the_watchdog_before_torch_loads():
+    """The deadline counts from `arm`: torch's import (seconds, more with several ranks to a core: 14 s measured
+    with 4 ranks under Open MPI's mpirun here) must come after it, or a job whose rank never starts ends that much
+    later than the deadline."""
+    env = {**os.environ, **LAUNCHED}
+    env.pop(startup.STALL_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", _ARMS_FIRST], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["collsync-train", 15.0, []]
 
 
 class _Armed(Exception):
