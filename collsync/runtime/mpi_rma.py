@@ -221,9 +221,9 @@ class WindowMailbox(Windows):
                     return None
                 self._sent, self._free = False, True
                 # The header came in the same round trip, perhaps read before the publish that freed the slot: a
-                # stamp taken without the parameters (or not ready) is read again now; with the parameters, the
-                # seqlock's re-read of seq (after the Get) tells a header older than that publish.
-                if not (fetch and ready(stamp)):
+                # stamp taken without the parameters is read again now; with them, the seqlock's re-read of seq
+                # (after the Get) tells a header older than that publish, and one not ready is polled again.
+                if not fetch:
                     continue
             if not ready(stamp):
                 return None
