@@ -171,7 +171,7 @@ BENCHES = [
     Bench(
         "mpi_partial_allreduce",
         "k-of-n partial allreduce (windows), 1M float32, 4 ranks",
-        "mpi4py `Allreduce` in place + the division by n, the order rotated rep by rep",
+        "mpi4py `Allreduce` in place + the division by n, the order shuffled rep by rep",
         _mpi(4, "mpi_partial_allreduce.py", "--reps", "200"),
         _mpi(2, "mpi_partial_allreduce.py", "--reps", "2", "--numel", "1024"),
         _partial,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 import time
 import zlib
 
@@ -422,3 +423,10 @@ def test_direct_exchange_gives_the_host_paths_bits_in_a_constant_number_of_round
                     record = 8 * (2 + n) * (n - 1)
                     assert took.data_bytes <= 4 * floats + record + 4 * numel, took  # + the writer's copy to the ring
     assert all(_same_everywhere(comm, b) for b in seen["direct"] + seen["host"])
+
+
+def test_the_default_protocol_follows_the_placement(comm):
+    """`protocol="auto"`, the default: the direct exchange only where the ranks span hosts (by host name)."""
+    spans = len(set(comm.allgather(socket.gethostname()))) > 1
+    with PartialAllreduce(comm, 16, depth=2) as pa:
+        assert pa.direct == (spans and comm.Get_size() <= 40)
