@@ -76,8 +76,9 @@ def main() -> None:
 
     counted_rounds, host_rounds, host_counted_rounds = itertools.count(), itertools.count(), itertools.count()
     with (
-        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pa,
-        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pc,
+        # The direct exchange by name: the default ("auto") takes the host's windows where the ranks share a host.
+        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="direct") as pa,
+        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="direct") as pc,
         PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="host") as ph,
         PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="host") as phc,
     ):
