@@ -1,5 +1,5 @@
 """The k-of-n partial allreduce at full quorum (k = n, what `sync=bsp` and backup b = 0 reduce through) against
-`MPI_Allreduce` of the same buffer, in one run, the sides' order rotated rep by rep:
+`MPI_Allreduce` of the same buffer, in one run, the sides' order shuffled rep by rep (the same on every rank):
 
     .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/mpi_partial_allreduce.py [--numel 1048576] [--reps 200]
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -75,8 +76,9 @@ def main() -> None:
 
     counted_rounds, host_rounds, host_counted_rounds = itertools.count(), itertools.count(), itertools.count()
     with (
-        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pa,
-        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4) as pc,
+        # The direct exchange by name: the default ("auto") takes the host's windows where the ranks share a host.
+        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="direct") as pa,
+        PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="direct") as pc,
         PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="host") as ph,
         PartialAllreduce(comm, args.numel, dtype=torch.float32, depth=4, protocol="host") as phc,
     ):
@@ -91,10 +93,13 @@ def main() -> None:
             "partial_n_minus_1_host": lambda: ph(grad, n - 1, next(host_rounds), out=out),
         }
         times: dict[str, list[float]] = {name: [] for name in sides}
-        for rep in range(args.reps):
-            # The sides' order rotates rep by rep (the allreduce first in rep 0, so `buf` holds the mean from then
-            # on): none of them always runs right after a given other one.
-            order = list(sides)[rep % len(sides) :] + list(sides)[: rep % len(sides)]
+        shuffle = random.Random(0)
+        for _ in range(args.reps):
+            # The sides' order is shuffled rep by rep, the same on every rank (one seeded generator): a rotation kept
+            # each side after the same other one (partial_n_minus_1 after partial_n_alloc's fresh 4 MiB mean) in
+            # all reps but one of each cycle.
+            order = list(sides)
+            shuffle.shuffle(order)
             for name in order:
                 comm.Barrier()
                 t = time.perf_counter()

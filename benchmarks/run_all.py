@@ -108,6 +108,16 @@ def _partial(d: dict[str, Any]) -> str:
     return f"quorum n: {_f(r['partial_n'])}{fresh}, quorum n - 1: {_f(r['partial_n_minus_1'])}{by_hand}"
 
 
+def _rounds(d: dict[str, Any]) -> str:
+    """Round trips a round per worker (the protocol's own, then the polls'), per policy."""
+    rows = d["per_round"]
+    return "; ".join(
+        f"{name}: {', '.join(_f(x) for x in row['protocol_round_trips'])} round trips a round"
+        f" + {', '.join(_f(x) for x in row['poll_round_trips'])} polling"
+        for name, row in rows.items()
+    )
+
+
 def _soak(d: dict[str, Any]) -> str:
     return f"{d.get('pushes_per_s', 0):.0f} pushes/s, replay equal: {d.get('replay_equal', d.get('passed'))}"
 
@@ -171,11 +181,20 @@ BENCHES = [
     Bench(
         "mpi_partial_allreduce",
         "k-of-n partial allreduce (windows), 1M float32, 4 ranks",
-        "mpi4py `Allreduce` in place + the division by n, the order rotated rep by rep",
+        "mpi4py `Allreduce` in place + the division by n, the order shuffled rep by rep",
         _mpi(4, "mpi_partial_allreduce.py", "--reps", "200"),
         _mpi(2, "mpi_partial_allreduce.py", "--reps", "2", "--numel", "1024"),
         _partial,
         "quorum n <= 1.10",
+    ),
+    Bench(
+        "mpi_rounds",
+        "round trips of a worker's bsp, ssp and psp round through the servers' windows, 1 server + 3 workers",
+        "(counts: 7.1-9.1 a round before issue 33's item 3)",
+        _mpi(4, "mpi_rounds.py"),
+        _mpi(3, "mpi_rounds.py", "--steps", "6", "--numel", "1024", "--compute", "1", "--repeats", "1"),
+        _rounds,
+        "4 a round",
     ),
     Bench(
         "mpi_shards_scaling",

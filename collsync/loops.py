@@ -136,9 +136,11 @@ def pull(worker: Worker, mailbox: WorkerMailbox, params: Flat) -> Stamp:
     return stamp
 
 
-def push(worker: Worker, mailbox: WorkerMailbox, grad: Flat) -> None:
-    """One worker's send: the gradient it computed since its last `pull`, tagged with that version and round."""
-    mailbox.send(worker.arrival(grad))
+def push(worker: Worker, mailbox: WorkerMailbox, grad: Flat, *, pull_next: bool = False) -> None:
+    """One worker's send: the gradient it computed since its last `pull`, tagged with that version and round.
+    `pull_next`: a `pull` follows at once (no naive wait between), so the mailbox may finish the push with the
+    pull's first round trip (`WorkerMailbox.send`'s `read_next`)."""
+    mailbox.send(worker.arrival(grad), read_next=pull_next)
 
 
 def run_worker(
@@ -157,14 +159,14 @@ def run_worker(
         if pull(worker, mailbox, params).done:
             break
         if speculator is None:
-            push(worker, mailbox, grads(params, worker.rank, worker.steps))
+            push(worker, mailbox, grads(params, worker.rank, worker.steps), pull_next=wait <= 0)
             continue
         if worker.steps > 0:
             speculator.notify()  # Alg. 2 lines 8-10: push, pull, notify
         grad = _speculative(worker, mailbox, grads, params, speculator)
         if grad is None:
             break
-        push(worker, mailbox, grad)
+        push(worker, mailbox, grad, pull_next=wait <= 0)
     return worker.steps
 
 

@@ -133,6 +133,7 @@ def partial_step(launch: Launch) -> Step:
         timeout=policy.deadline,
         margin=spec.margin,
         tolerate=tolerated(policy, launch.workers),
+        protocol=spec.protocol,
     )
 
     lost: list[dict[str, Any]] = []

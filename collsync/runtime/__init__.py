@@ -27,9 +27,10 @@ class WorkerMailbox(Protocol):
         (unless `fetch` is False: B-FASGD skipped this fetch, only the stamp is read)."""
         ...
 
-    def send(self, arrival: Arrival) -> None:
+    def send(self, arrival: Arrival, *, read_next: bool = False) -> None:
         """Hand a gradient to the server (returns once the buffer may be reused); `arrival.grad` None sends only
-        the header (a skipped B-FASGD push)."""
+        the header (a skipped B-FASGD push). `read_next`: the caller's next call is a `read` (a mailbox may leave
+        the end of the send to that read's first round trip)."""
         ...
 
 

@@ -53,6 +53,20 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 DIRECT_MAX_RANKS = 40
+PROTOCOLS = ("auto", "direct", "host")
+
+
+def direct_protocol(protocol: str, hosts: Sequence[str]) -> bool:
+    """Whether ranks on `hosts` (each rank's host name) exchange a partial round directly (`protocol`: "direct",
+    "host", or "auto": direct where the ranks span hosts, host-summed on one host, where its copies go through
+    shared memory and were measured the faster: benchmarks/README.md, "Round trips of the partial allreduce").
+    Either way the direct exchange only up to `DIRECT_MAX_RANKS` ranks (its ticket word's bits)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"partial allreduce: {protocol=} must be one of {', '.join(PROTOCOLS)}")
+    direct = protocol == "direct" or (protocol == "auto" and len(set(hosts)) > 1)
+    return direct and len(hosts) <= DIRECT_MAX_RANKS
+
+
 _PHASES = 3  # message tags per round: the record, the blocks of the sum, the blocks of the mean
 _RECORD, _SUM, _MEAN = range(_PHASES)
 _YIELD_S = 0.05  # how long a data phase yields between tests before it sleeps (`Messages.wait`)

@@ -21,7 +21,7 @@ import torch
 
 from collsync import keepalive
 from collsync.margin import Margin, check_margin
-from collsync.runtime.mpi_partial_direct import DIRECT_MAX_RANKS, LARGE_MESSAGE, Messages
+from collsync.runtime.mpi_partial_direct import LARGE_MESSAGE, PROTOCOLS, Messages, direct_protocol
 from collsync.runtime.mpi_partial_lost import LostRanks
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
@@ -131,15 +131,15 @@ class PartialWindows(LostRanks, Windows):
         timeout: float | None = None,
         margin: float | str | None = None,
         tolerate: int = 0,
-        protocol: str = "direct",
+        protocol: str = "auto",
     ) -> None:
         from mpi4py import MPI  # lazily: collsync's modules import without an MPI library
 
         size, rank = comm.Get_size(), comm.Get_rank()
         _check_args(numel, dtype, depth, host, size, timeout)
         check_margin(margin)
-        if protocol not in ("direct", "host"):
-            raise ValueError(f"partial allreduce: {protocol=} must be 'direct' or 'host'")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"partial allreduce: {protocol=} must be one of {', '.join(PROTOCOLS)}")
         if not 0 <= tolerate < size:
             raise ValueError(f"partial allreduce: {tolerate=} lost ranks must be in 0..{size - 1}")
         if timeout is not None:
@@ -168,7 +168,7 @@ class PartialWindows(LostRanks, Windows):
         self._lost_at = self._waited + size
         self._left = self._lost_at + size
         # The ticket word's encoding (`ticket_state`): a bit per rank (direct exchange), or a count (host-summed).
-        self.direct = protocol == "direct" and size <= DIRECT_MAX_RANKS
+        self.direct = direct_protocol(protocol, self._hosts)
         self._closed = (1 << size) if self.direct else CLOSED
         self._wins = self._allocate(rank == host)
         self._full_comm = comm.Dup()  # full-quorum rounds' allreduce: never interleaved with the caller's collectives

@@ -1,23 +1,30 @@
 """A parameter-server `Mailbox` on MPI one-sided windows: workers pull with MPI_Get and push with MPI_Put.
 
-Windows, all hosted by the server rank (workers expose zero bytes):
+One window, hosted by the server rank (workers expose zero bytes), in 8-byte words:
 
-    params  float[numel]             the published parameters
-    slots   float[workers * numel]   one gradient slot per worker
     ctrl    int64[4 + 4 * workers]   [seq, version, done, signal] then per worker [full, version, clock, finished]
+    params  float[numel]             the published parameters (from a word boundary)
+    slots   float[workers * numel]   one gradient slot per worker (each from a word boundary)
 
+One window, so that whatever a worker posts to the server in one go is completed by one `Flush`: one round trip.
 Every access is an RMA call inside one `Lock_all` epoch, completed with `Flush`, and control words are touched only
 by atomics (`collsync.runtime.mpi_windows`), so neither side ever waits for the other to call MPI and a flag is
-never read half-written.
+never read half-written. A worker's round is four round trips when nothing has to be waited for (push 1, pull 3),
+a poll one (`benchmarks/mpi_rounds.py` counts them); MPI orders no two operations of one `Flush` but those on the
+same word, which is what the seqlock's and the flag's extra round trips are for.
 
 * publish (server): seq <- seq + 1 (odd: writing); Put params; version, done, signal; seq <- seq + 1 (even). The
   signal (`Stamp.signal`, a float64's bits in an int64 word) is whatever scalar the server's optimizer publishes.
-* read (worker): first wait until the server freed the slot of this worker's last push (read your own writes);
-  poll (seq, version, done) until `ready`; Get params; re-read seq; retry if seq was odd or moved: a seqlock, so a
-  worker never keeps a torn mix of two versions.
-* send (worker): wait for its slot's `full` = 0; Put gradient; (version, clock) by one `Accumulate(REPLACE)`; one
-  Flush for both; then `full` <- 1. The Flush before the flag is what guarantees the server never sees the flag
-  before the data; two round trips in all (each, off shared memory, waits for the server to enter MPI).
+* read (worker): poll the header (seq, version, done, signal) and, after a push, this worker's `full` in one
+  round trip, until the slot is free (the server dealt with the push: read your own writes) and the stamp `ready`;
+  Get params (a round trip); re-read seq (a round trip); retry if seq was odd or moved: a seqlock, so a worker never
+  keeps a torn mix of two versions (and never parameters published before the push it waited for: that publish
+  precedes the freed slot, so the re-read seq moved).
+* send (worker): its slot is free (its read saw it so; else it waits); Put gradient and (version, clock) by one
+  `Accumulate(REPLACE)`, one Flush for both (a round trip); then `full` <- 1, posted without a Flush when the
+  worker reads next (`read_next`): the first poll of that read completes it, so the flag and the poll for version
+  v + 1 are one round trip. The Flush before the flag is what guarantees the server never sees the flag before the
+  data (each round trip, off shared memory, waits for the server to enter MPI).
 * recv (server): round-robin over slots from the last one served (fairness); full = 1 -> Get gradient and
   header under one Flush. `full` <- 0 only once the server has dealt with it: at the next publish or recv. So
   when a worker sees its slot free, any version its gradient produced is published, and its next read includes
@@ -92,10 +99,12 @@ class WindowMailbox(Windows):
         item = np.dtype(self._np).itemsize
         host = self.is_server
         intra = cast("MPI.Intracomm", comm)  # windows need an intracommunicator: every communicator here is one
-        self.win_params = MPI.Win.Allocate(numel * item if host else 0, item, comm=intra)
-        self.win_slots = MPI.Win.Allocate(self.workers * numel * item if host else 0, item, comm=intra)
-        self.win_ctrl = MPI.Win.Allocate((_HDR + _SLOT * self.workers) * 8 if host else 0, 8, comm=intra)
-        self._wins = (self.win_params, self.win_slots, self.win_ctrl)
+        self._block = -(-numel * item // 8)  # one block of floats in words, rounded up: each starts on a word
+        self._params_at = _HDR + _SLOT * self.workers
+        self._slots_at = self._params_at + self._block
+        words = self._slots_at + self.workers * self._block
+        self.win_box = MPI.Win.Allocate(words * 8 if host else 0, 8, comm=intra)
+        self._wins = (self.win_box,)
         if host:
             for win in self._wins:
                 mem = np.frombuffer(cast(Any, win.tomemory()), dtype=np.uint8)  # mpi4py types its buffer loosely
@@ -103,9 +112,11 @@ class WindowMailbox(Windows):
         comm.Barrier()  # the zeroed memory is in place before anyone reads it
         for win in self._wins:
             win.Lock_all()
-        self._ctrl = Words(self.win_ctrl, server_rank)
+        self._ctrl = Words(self.win_box, server_rank)
         self._hdr = np.zeros(_HDR, dtype=np.int64)
         self._pair = np.zeros(2, dtype=np.int64)  # a slot's (version, clock)
+        self._full = np.zeros(1, dtype=np.int64)  # worker: its slot's flag, read and written with other words
+        self._free = True  # worker: its slot is known to be free (a read saw it freed since the last push)
         self._seq = 0
         self._next = 0
         self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
@@ -134,11 +145,26 @@ class WindowMailbox(Windows):
         self.answered = time.monotonic()
         return header
 
+    def _poll(self) -> np.ndarray:
+        """The header and, after a push, this worker's `full` into `_full`: one round trip (one Flush for both reads,
+        and for the push's flag where `send` left it posted)."""
+        self._ctrl.load_many(0, self._hdr, flush=False)
+        if self._sent:
+            self._ctrl.load_many(self._slot(self.worker), self._full, flush=False)
+        self.win_box.Flush(self.server)
+        self.answered = time.monotonic()
+        return self._hdr
+
     def _store(self, disp: int, value: int) -> None:
         self._ctrl.store(disp, value)
 
     def _slot(self, worker: int) -> int:
         return _HDR + _SLOT * worker
+
+    def target(self, worker: int | None = None) -> tuple[int, int, Any]:
+        """Where the published parameters (None) or `worker`'s gradient slot lie in the window: an RMA target."""
+        at = self._params_at if worker is None else self._slots_at + worker * self._block
+        return (at, self.numel, self._mpi_t)
 
     # -- worker side -------------------------------------------------------------------------------------------
     def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
@@ -176,7 +202,7 @@ class WindowMailbox(Windows):
         buf = out.detach().numpy()
         torn = False  # `out` holds a copy torn by a publish: retry until it is clean, never hand it back as is
         while True:
-            seq, version, done, signal = (int(x) for x in self._load_header())
+            seq, version, done, signal = (int(x) for x in self._poll())
             self._saw(seq)
             if seq % 2 and torn:
                 self._backoff.wait()
@@ -191,10 +217,14 @@ class WindowMailbox(Windows):
             if self._sent:
                 # Read your own writes, as a parameter server answers a push with the parameters it produced
                 # (001_... Alg. 1-2) and as the simulator does: wait until the server dealt with our last push.
-                if self._load(self._slot(self.worker)) != 0:
+                if int(self._full[0]) != 0:
                     return None
-                self._sent = False
-                continue  # the header may have moved while we waited: read it again
+                self._sent, self._free = False, True
+                # The header came in the same round trip, perhaps read before the publish that freed the slot: a
+                # stamp taken without the parameters is read again now; with them, the seqlock's re-read of seq
+                # (after the Get) tells a header older than that publish, and one not ready is polled again.
+                if not fetch:
+                    continue
             if not ready(stamp):
                 return None
             if not fetch:
@@ -216,8 +246,8 @@ class WindowMailbox(Windows):
 
     def _get_params(self, buf: np.ndarray, seq: int) -> bool:
         """Get the published parameters into `buf`; False if a publish moved `seq` meanwhile (the copy is torn)."""
-        self.win_params.Get([buf, self._mpi_t], self.server)
-        self.win_params.Flush(self.server)
+        self.win_box.Get([buf, self._mpi_t], self.server, target=self.target())
+        self.win_box.Flush(self.server)
         return self._load(0) == seq
 
     def peek(self) -> Stamp:
@@ -225,26 +255,36 @@ class WindowMailbox(Windows):
         _, version, done, signal = (int(x) for x in self._load_header())
         return Stamp(version, bool(done), _as_float(signal))
 
-    def send(self, arrival: Arrival) -> None:
+    def send(self, arrival: Arrival, *, read_next: bool = False) -> None:
+        """Hand the gradient to the server: `post` and `complete` (a `ShardedMailbox` posts to every shard first)."""
+        self.post(arrival)
+        self.complete(read_next=read_next)
+
+    def post(self, arrival: Arrival) -> None:
+        """The first half of `send`: once the slot is free, the gradient and its (version, clock) posted, not
+        completed."""
         slot = self._slot(self.worker)
         self._backoff.reset()
-        while self._load(slot) != 0:
+        while not self._free and self._load(slot) != 0:
             self._saw(int(self._load_header()[0]))
             self.check_alive()
             self._backoff.wait()
         if arrival.grad is not None:
             grad = arrival.grad.detach().to(self.dtype).contiguous().numpy()
-            target = (self.worker * self.numel, self.numel, self._mpi_t)
-            self.win_slots.Put([grad, self._mpi_t], self.server, target=target)
+            self.win_box.Put([grad, self._mpi_t], self.server, target=self.target(self.worker))
             self.bytes_pushed += grad.nbytes
-        # (version, clock) in one atomic-per-word write, and one Flush for it and the gradient together: each Flush
-        # is a round trip, and off shared memory (between nodes) one that waits for the server to enter MPI.
-        self._pair[:] = (arrival.version, arrival.clock)
+        self._pair[:] = (arrival.version, arrival.clock)  # in one atomic-per-word write
         self._ctrl.store_many(slot + 1, self._pair, flush=False)
-        self.win_slots.Flush(self.server)
-        self.win_ctrl.Flush(self.server)
-        # Last: the data and header are complete at the target before the flag says so. 2 = header only.
-        self._store(slot, 1 if arrival.grad is not None else 2)
+        self._full[0] = 1 if arrival.grad is not None else 2  # 2 = header only
+        self._free = False
+
+    def complete(self, *, read_next: bool = False) -> None:
+        """The second half of `send`: one Flush for the gradient and its header (a round trip, and off shared memory
+        one that waits for the server to enter MPI), then the flag. With `read_next` (the caller reads right
+        after) the flag is only posted: the read's first poll completes it in its own round trip."""
+        self.win_box.Flush(self.server)
+        # Last: the data and header are complete at the target before the flag says so.
+        self._ctrl.store_many(self._slot(self.worker), self._full, flush=not read_next)
         self._sent = True
 
     def leave(self) -> None:
@@ -275,11 +315,9 @@ class WindowMailbox(Windows):
         grad = None
         if full == 1:
             grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
-            target = (w * self.numel, self.numel, self._mpi_t)
-            self.win_slots.Get([grad.numpy(), self._mpi_t], self.server, target=target)
+            self.win_box.Get([grad.numpy(), self._mpi_t], self.server, target=self.target(w))
         self._ctrl.load_many(slot + 1, self._pair, flush=False)
-        self.win_slots.Flush(self.server)
-        self.win_ctrl.Flush(self.server)
+        self.win_box.Flush(self.server)
         version, clock = int(self._pair[0]), int(self._pair[1])
         if defer:
             self._taken.append(w)
@@ -320,11 +358,9 @@ class WindowMailbox(Windows):
         self._seq += 1
         self._store(0, self._seq)
         buf = params.detach().to(self.dtype).contiguous().numpy()
-        self.win_params.Put([buf, self._mpi_t], self.server)
-        self.win_params.Flush(self.server)
-        self._store(1, stamp.version)
-        self._store(2, int(stamp.done))
-        self._store(3, _as_int(stamp.signal))
+        self.win_box.Put([buf, self._mpi_t], self.server, target=self.target())
+        self.win_box.Flush(self.server)
+        self._ctrl.store_many(1, np.array([stamp.version, int(stamp.done), _as_int(stamp.signal)], dtype=np.int64))
         self._seq += 1
         self._store(0, self._seq)
         self._release()

@@ -32,7 +32,7 @@ import torch
 
 from collsync.runtime.mpi_coll import ShutdownTimeout, shutdown
 from collsync.runtime.mpi_rma import WindowMailbox
-from collsync.runtime.mpi_windows import Backoff
+from collsync.runtime.mpi_windows import Backoff, CountingBackoff, RmaCounts
 from collsync.types import Arrival, Flat, Stamp
 
 Bounds = list[tuple[int, int]]
@@ -136,6 +136,14 @@ class ShardedMailbox:
         signal = sum(s.signal for s in live.values()) / len(live)
         return Stamp(min(s.version for s in live.values()), False, signal)
 
+    def count(self, counts: RmaCounts) -> RmaCounts:
+        """From now on count this worker's one-sided calls to every shard, and its polls, into `counts` (returned;
+        `Windows.count`)."""
+        for shard in self.shards:
+            shard.count(counts)
+        self._backoff = CountingBackoff(self._backoff, counts)
+        return counts
+
     def _waited(self, since: float | None) -> bool:
         if self.pull_timeout is None:
             return True
@@ -150,14 +158,20 @@ class ShardedMailbox:
         self.have, self.sent = list(have), min(have)
         return self.sent
 
-    def send(self, arrival: Arrival) -> None:
+    def send(self, arrival: Arrival, *, read_next: bool = False) -> None:
+        """Block j to shard j: posted to every shard first, then completed shard by shard, so that the round trips
+        to the shards overlap (`WindowMailbox.post`, `complete`; `read_next` as there)."""
         k, self.sent = self.sent, self.sent + 1
+        posted = []
         for j, shard in enumerate(self.shards):
             if self.done[j] or k < self.have[j]:
                 continue  # training is over on that shard, or it had this gradient before the run was resumed
             start, stop = self.bounds[j]
             block = None if arrival.grad is None else arrival.grad[start:stop]
-            shard.send(Arrival(arrival.worker, self.versions[j], block, arrival.clock))
+            shard.post(Arrival(arrival.worker, self.versions[j], block, arrival.clock))
+            posted.append(shard)
+        for shard in posted:
+            shard.complete(read_next=read_next)
 
     def leave(self) -> None:
         """This worker's training is over: every shard is told (see `WindowMailbox.leave`)."""

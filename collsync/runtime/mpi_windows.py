@@ -76,14 +76,18 @@ class RmaCounts:
     data_bytes: int = 0
     waits: int = 0  # polls that found nothing yet (each after one round trip): the rest are the protocol's own
     tests: int = 0  # local tests of posted messages that found them not yet complete (no round trip each)
+    # The round trips spent in the tries that a wait followed (a poll may take more than one): `round_trips` less
+    # these is the protocol's own, what a round costs when nothing has to be waited for.
+    poll_trips: int = 0
 
     def copy(self) -> RmaCounts:
-        return RmaCounts(dict(self.ops), self.round_trips, self.data_bytes, self.waits, self.tests)
+        return RmaCounts(dict(self.ops), self.round_trips, self.data_bytes, self.waits, self.tests, self.poll_trips)
 
     def minus(self, before: RmaCounts) -> RmaCounts:
         ops = {k: v - before.ops.get(k, 0) for k, v in self.ops.items()}
         trips, moved = self.round_trips - before.round_trips, self.data_bytes - before.data_bytes
-        return RmaCounts(ops, trips, moved, self.waits - before.waits, self.tests - before.tests)
+        polls = self.poll_trips - before.poll_trips
+        return RmaCounts(ops, trips, moved, self.waits - before.waits, self.tests - before.tests, polls)
 
     @property
     def remote_ops(self) -> int:
@@ -121,15 +125,24 @@ class CountingWin:
 
 
 class CountingBackoff(Backoff):
-    """A `Backoff` whose every pause is counted as one wait (`RmaCounts.waits`); installed by `Windows.count`."""
+    """A `Backoff` whose every pause is counted as one wait (`RmaCounts.waits`), and the round trips made since the
+    last pause or reset as a poll's (`RmaCounts.poll_trips`: the try that found nothing); installed by
+    `Windows.count`."""
 
     def __init__(self, backoff: Backoff, counts: RmaCounts) -> None:
+        self._counts = counts  # before the base's constructor, whose reset reads it
         super().__init__(backoff.spins, backoff.first, backoff.cap)
-        self._counts = counts
+
+    def reset(self) -> None:
+        super().reset()
+        self._mark = self._counts.round_trips
 
     def wait(self) -> None:
-        self._counts.waits += 1
+        counts = self._counts
+        counts.waits += 1
+        counts.poll_trips += counts.round_trips - self._mark
         super().wait()
+        self._mark = counts.round_trips
 
 
 class Windows:

@@ -28,7 +28,7 @@ _AWAIT_ABORT_S = 10.0
 @dataclass(frozen=True)
 class RuntimeSpec:
     """`kind`: sim | mpi | allreduce | partial; `workers`: simulated workers (sim only); `servers`: server ranks
-    (mpi); `depth`, `margin`, `catch_up`: serverless backup's (partial; see `partial`)."""
+    (mpi); `depth`, `margin`, `catch_up`, `protocol`: serverless backup's (partial; see `partial`)."""
 
     kind: str
     workers: int = 8
@@ -39,6 +39,7 @@ class RuntimeSpec:
     bucket_mib: float = 4.0
     margin: float | str | None = "auto"
     catch_up: bool | None = None
+    protocol: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in ("sim", "mpi", "allreduce", "partial"):
@@ -48,6 +49,8 @@ class RuntimeSpec:
         check_margin(self.margin)
         if self.catch_up not in (None, True, False):
             raise ValueError(f"runtime: catch_up={self.catch_up!r} must be true, false or null (decide by itself)")
+        if self.protocol not in ("auto", "direct", "host"):
+            raise ValueError(f"runtime: protocol={self.protocol!r} must be auto, direct or host")
         if self.bucket_mib < 0:
             raise ValueError(f"runtime: bucket_mib={self.bucket_mib} must be >= 0 (0: no buckets)")
         if self.workers < 1:
@@ -156,6 +159,7 @@ def partial(
     catch_up: bool | None = None,
     inject_stragglers: bool = False,
     time_scale: float = 0.01,
+    protocol: str = "auto",
 ) -> RuntimeSpec:
     """Serverless backup workers over a k-of-n partial allreduce on MPI windows (`sync=backup` or `sync=bsp`):
     every rank is a worker and holds a replica of the server; each round averages the first N gradients. The same
@@ -169,9 +173,13 @@ def partial(
     `catch_up`: a rank that comes after its round completed applies every round completed meanwhile and skips their
     batches (null: on; collsync.torch turns it off by itself under a user's per-step LR scheduler); false: it
     computes its own next batch for the next round.
+    `protocol`: how a partial round's contributions move: "direct" (between the contributors, by messages), "host"
+    (through rank 0's windows), or "auto": direct where the ranks span hosts, host on one host (each measured the
+    faster there; `runtime.mpi_partial_direct.direct_protocol`).
     """
     return RuntimeSpec(
         "partial",
+        protocol=protocol,
         inject_stragglers=inject_stragglers,
         time_scale=time_scale,
         depth=depth,

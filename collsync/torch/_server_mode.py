@@ -120,7 +120,8 @@ class ServerMode(Mode):
                 "parameter server applies the rule it was given at construction",
                 stacklevel=5 if self.spec is not None else 4,
             )
-        push(self.worker, self.mailbox, self.flat.grads().clone())
+        naive_wait = self.spec is not None and self.spec.wait > 0  # SpecSync's naive waiting sleeps before the pull
+        push(self.worker, self.mailbox, self.flat.grads().clone(), pull_next=not naive_wait)
         if self.spec is not None:
             self.spec.before_pull()
         self._pull()

@@ -124,6 +124,9 @@ ROWS = [
         "partial-no-launcher", ["runtime=partial"], "backups=1 must be < workers=1 (runtime=partial without a launcher"
     ),
     Row("mpi-no-launcher", ["runtime=mpi"], "runtime=mpi: 1 rank(s) leave no worker beside 1 server(s)"),
+    Row(
+        "partial-protocol", ["runtime=partial", "runtime.protocol=ring"], "protocol='ring' must be auto, direct or host"
+    ),
     # Data files.
     Row("npz-missing", ["data=npz", "data.path={files}/nope.npz"], "path='{files}/nope.npz' does not exist"),
     Row("npz-empty", ["data=npz", "data.path={files}/empty.npz"], "empty.npz' is empty (0 bytes)"),

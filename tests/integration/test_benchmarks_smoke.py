@@ -59,6 +59,12 @@ def _check(name: str, data: dict[str, Any]) -> None:
         for side in (f"quorum {n - 1}", f"quorum {n - 1}, host-summed"):
             assert len(rma[side]["per_rank"]) == n
             assert rma[side]["max_protocol_round_trips"] > 0 == rma[f"quorum {n}"]["max_round_trips"]
+    elif name == "mpi_rounds":
+        # Every policy's workers (2 at -n 3) counted: a few round trips a round (4, and the first read and the last
+        # spread over a few rounds; tests/mpi asserts the protocol's own count).
+        assert set(data["per_round"]) == {"bsp", "ssp", "psp"}
+        for row in data["per_round"].values():
+            assert len(row["protocol_round_trips"]) == 2 and all(0 < x <= 12 for x in row["protocol_round_trips"])
     elif name == "mpi_shards_scaling":
         rows = data["servers"]
         assert set(rows) == {"1", "2"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 import time
 import zlib
 
@@ -52,7 +53,9 @@ def test_counted_rounds_give_the_same_means_and_count_every_round_trip(comm):
     """`count` changes nothing a round returns; a partial round makes remote calls and Flushes (waits among them),
     a full round none on the windows (it is an allreduce)."""
     n, rank, numel = comm.Get_size(), comm.Get_rank(), 9
-    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=2) as pa:
+    # The direct exchange by name: what a round moves by messages is asserted below (the default takes the host's
+    # windows on one host; the host-summed path's counts are the last test's).
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=2, protocol="direct") as pa:
         counts = pa.count(RmaCounts())
         for t in range(8):
             before = counts.copy()
@@ -97,7 +100,9 @@ def _stress(comm, rounds: int, seed: int, longest_sleep: float, margin: float | 
     rng = random.Random(seed + rank)
     fate = bytearray(rounds)
     digest, sizes = 0, []
-    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, margin=margin) as pa:
+    # The direct exchange by name (the default takes the host's windows on one host, as the other tests do): the
+    # path the ranks take across hosts under the same stress.
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, margin=margin, protocol="direct") as pa:
         for t in range(rounds):
             k = max(1, n - 1) if t % 4 else 1 + t % n
             if rng.random() < 0.05:
@@ -285,7 +290,7 @@ def test_a_margin_counts_every_rank_that_comes_within_it(comm):
     slow, quorum = n - 1, n - 1
     rng = random.Random(rank)
     seen = []
-    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, margin=1.0) as pa:
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, margin=1.0, protocol="direct") as pa:
         for t in range(rounds):
             time.sleep(rng.random() * 2e-3)  # the jitter of ranks nobody would call stragglers
             if t == rounds // 2:
@@ -366,7 +371,8 @@ def test_a_rank_that_stops_is_lost_and_the_others_go_on(comm):
         pytest.skip("needs a rank to lose beside the others")
     gone, rounds = n - 1, 30
     seen = []
-    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, timeout=0.5, tolerate=1) as pa:
+    kw = {"timeout": 0.5, "tolerate": 1, "protocol": "direct"}  # the direct exchange, as across hosts
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=3, **kw) as pa:
         for t in range(rounds if rank != gone else 5):
             result = pa.try_read(n - 1, t) or pa(_contribution(rank, t, numel), n - 1, t)
             assert torch.equal(result.mean, _expected(result, numel))
@@ -422,3 +428,10 @@ def test_direct_exchange_gives_the_host_paths_bits_in_a_constant_number_of_round
                     record = 8 * (2 + n) * (n - 1)
                     assert took.data_bytes <= 4 * floats + record + 4 * numel, took  # + the writer's copy to the ring
     assert all(_same_everywhere(comm, b) for b in seen["direct"] + seen["host"])
+
+
+def test_the_default_protocol_follows_the_placement(comm):
+    """`protocol="auto"`, the default: the direct exchange only where the ranks span hosts (by host name)."""
+    spans = len(set(comm.allgather(socket.gethostname()))) > 1
+    with PartialAllreduce(comm, 16, depth=2) as pa:
+        assert pa.direct == (spans and comm.Get_size() <= 40)

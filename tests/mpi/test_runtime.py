@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.loops import Worker, run_server, run_worker
+from collsync.loops import Worker, pull, push, run_server, run_worker
 from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rules import fasgd, momentum
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_rma import WindowMailbox
+from collsync.runtime.mpi_windows import RmaCounts
 from collsync.runtime.mpi_world import check_world_size, launcher_size, machine, node_layout, own_cores, world
 from collsync.server import Server, replay
 from collsync.trace import Trace
@@ -150,6 +151,42 @@ def test_server_and_workers_over_windows(comm, policy, rule):
                 Worker(box.worker, policy, seed=1), box, _least_squares(numel), torch.empty(numel, dtype=torch.float64)
             )
             assert sent > 0
+
+
+def test_a_round_through_the_windows_is_a_push_of_one_round_trip_and_a_pull_of_three(comm):
+    """Issue 33, item 3: a push is one round trip (the gradient and its header under one Flush; its flag goes with
+    the next read's first poll), a pull three once nothing is waited for (the header with this worker's flag; the
+    Get; the seqlock's re-read of seq), and each poll that waits one. Before, a round took 7-9 and a poll two."""
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    # bsp: no version is published while a worker reads (its round needs its push), so no read is torn and retried.
+    numel, steps, policy = 300, 15, bsp()
+    workers = comm.Get_size() - 1
+    with WindowMailbox(comm, numel, dtype=torch.float64) as box:
+        if box.is_server:
+            start = torch.zeros(numel, dtype=torch.float64)
+            server = Server(start, momentum(lr=0.1), policy, workers, steps=steps, trace=Trace())
+            run_server(server, box)
+            assert server.version == steps
+            counts = check_trace(server.trace, policy, workers)
+            assert counts["pushed"] == counts["applied"] + counts["dropped"]
+        else:
+            counts = box.count(RmaCounts())
+            worker, params = Worker(box.worker, policy, seed=1), torch.empty(numel, dtype=torch.float64)
+            grads = _least_squares(numel)
+            pulls, pushes = [], []
+            while True:
+                before = counts.copy()
+                if pull(worker, box, params).done:
+                    break
+                pulls.append(counts.minus(before))
+                before = counts.copy()
+                push(worker, box, grads(params, worker.rank, worker.steps), pull_next=True)
+                pushes.append(counts.minus(before))
+            assert pushes and all(c.round_trips == 1 and c.waits == 0 for c in pushes), [c.round_trips for c in pushes]
+            own = [c.round_trips - c.poll_trips for c in pulls]
+            assert all(x == 3 for x in own), own
+            assert all(c.poll_trips <= c.waits + 1 for c in pulls), [(c.poll_trips, c.waits) for c in pulls]
 
 
 def test_close_names_a_worker_that_never_stops(comm):

@@ -14,6 +14,7 @@ from collsync.loops import Worker, run_server, run_worker
 from collsync.policy import asynchronous, bsp, psp
 from collsync.rules import sgd
 from collsync.runtime.mpi_shards import ShardedMailbox, open_shards, shard_bounds, snapshot
+from collsync.runtime.mpi_windows import RmaCounts
 from collsync.server import Server
 from collsync.trace import Trace
 
@@ -30,7 +31,7 @@ def _least_squares(numel: int):
     return grads
 
 
-def _train(comm, policy, numel: int, steps: int, slow_shard: int | None = None):
+def _train(comm, policy, numel: int, steps: int, slow_shard: int | None = None, counts: RmaCounts | None = None):
     """Every shard's server to `steps` updates; returns (this rank's server or None, this worker's mailbox or None)."""
     workers = comm.Get_size() - SERVERS
     bounds = shard_bounds(numel, SERVERS)
@@ -54,6 +55,8 @@ def _train(comm, policy, numel: int, steps: int, slow_shard: int | None = None):
         run_server(server, box)
     else:
         mailbox = ShardedMailbox(shards, bounds, policy.pull_fraction, policy.pull_timeout)
+        if counts is not None:
+            mailbox.count(counts)
         # NaN until read: a block the worker never received would poison every gradient it computes.
         params = torch.full((numel,), float("nan"), dtype=torch.float64)
         run_worker(Worker(mailbox.worker, policy, seed=1), mailbox, _least_squares(numel), params)
@@ -107,3 +110,19 @@ def test_a_full_pull_waits_for_every_shard(comm):
 def test_a_world_without_workers_is_refused(comm):
     with pytest.raises(ValueError, match="launch at least"):
         open_shards(comm, 10, comm.Get_size())
+
+
+def test_a_round_through_the_shards_is_four_round_trips_a_shard(comm):
+    """Issue 33, item 3: with M shards a worker's round is 4 round trips a shard once nothing is waited for (a push
+    posted to every shard before any is completed, one Flush each; a pull of 3 a shard), each poll one; before, 7-9
+    a shard and two a poll."""
+    if comm.Get_size() < SERVERS + 1:
+        pytest.skip("two shards and at least one worker need 3 ranks")
+    counts = RmaCounts()
+    _, mailbox, _ = _train(comm, bsp(), 64, 15, counts=counts)
+    if mailbox is not None:
+        rounds = mailbox.sent
+        own = counts.round_trips - counts.poll_trips
+        # The first read (3 a shard) and the last (a poll and the `finished` word a shard) are outside the rounds.
+        assert rounds > 0 and own <= SERVERS * (4 * rounds + 5), (own, rounds)
+        assert counts.poll_trips <= counts.waits * SERVERS + rounds, (counts.poll_trips, counts.waits)

@@ -176,7 +176,7 @@ class WorkerBox:
                     return stamp
             time.sleep(0.001)
 
-    def send(self, a: Arrival) -> None:
+    def send(self, a: Arrival, *, read_next: bool = False) -> None:
         self.box.arrivals.put(a)
 
 

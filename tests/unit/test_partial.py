@@ -285,3 +285,19 @@ def test_tolerated_is_what_the_policy_allows_while_the_quorum_can_come():
     assert tolerated(backup(1), 4) == 1
     assert tolerated(backup(2), 6) == 2
     assert tolerated(bsp(), 4) == 0
+
+
+def test_the_partial_protocol_follows_the_placement() -> None:
+    """`protocol="auto"` (the default, `runtime.protocol`): the direct exchange where the ranks span hosts, the
+    host-summed path on one host; direct or host when asked; the direct exchange never past its ticket word's bits."""
+    from collsync.runtime.mpi_partial_direct import DIRECT_MAX_RANKS, direct_protocol
+    from collsync.runtime.spec import partial
+
+    assert direct_protocol("auto", ["a", "b", "b"]) and not direct_protocol("auto", ["a", "a", "a"])
+    assert direct_protocol("direct", ["a", "a"]) and not direct_protocol("host", ["a", "b"])
+    assert not direct_protocol("auto", [str(r) for r in range(DIRECT_MAX_RANKS + 1)])
+    with pytest.raises(ValueError, match="protocol='ring' must be one of auto, direct, host"):
+        direct_protocol("ring", ["a"])
+    assert partial().protocol == "auto" and partial(protocol="host").protocol == "host"
+    with pytest.raises(ValueError, match="runtime: protocol='ring' must be auto, direct or host"):
+        partial(protocol="ring")

@@ -16,12 +16,17 @@ class _Shard:
     worker = 0
     poll_cap = 1e-3
 
-    def __init__(self) -> None:
+    def __init__(self, calls: list[tuple[str, object]] | None = None) -> None:
         self.got: list[torch.Tensor] = []
+        self.calls: list[tuple[str, object]] = [] if calls is None else calls
 
-    def send(self, arrival: Arrival) -> None:
+    def post(self, arrival: Arrival) -> None:
         assert arrival.grad is not None
         self.got.append(arrival.grad.clone())
+        self.calls.append(("post", self))
+
+    def complete(self, *, read_next: bool = False) -> None:
+        self.calls.append(("complete", self))
 
 
 def test_a_resumed_worker_sends_each_shard_only_the_gradients_it_lacks() -> None:
@@ -41,3 +46,14 @@ def test_resume_counts_must_match_the_shards() -> None:
     mailbox = ShardedMailbox([_Shard(), _Shard()], shard_bounds(4, 2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="2 shards"):
         mailbox.resume([1])
+
+
+def test_a_push_is_posted_to_every_shard_before_any_is_completed() -> None:
+    """Issue 33, item 3: the round trips of one push to M shards overlap (each shard's Flush comes after every
+    shard's Put), rather than one after the other."""
+    calls: list[tuple[str, object]] = []
+    shards = [_Shard(calls), _Shard(calls), _Shard(calls)]
+    mailbox = ShardedMailbox(shards, shard_bounds(6, 3))  # type: ignore[arg-type]
+    mailbox.send(Arrival(0, 0, torch.ones(6), 0), read_next=True)
+    assert [kind for kind, _ in calls] == ["post"] * 3 + ["complete"] * 3
+    assert [shard for _, shard in calls] == shards + shards
