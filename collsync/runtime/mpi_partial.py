@@ -95,11 +95,10 @@ complete is final (the ticket is spent): stop the run.
 and every reader checks it.
 
 Memory on the host: (n + depth) * numel floats (the direct exchange: depth * numel). Calls are made in round order
-0, 1, 2, ... on every rank. `protocol="direct"` (up to 40 ranks) moves a partial round's contributions between its
-contributors instead of through the slots (steps 3-5 above; `mpi_partial_direct` says how: 1.2-1.4x an
-`MPI_Allreduce` across hosts at quorum n - 1, against 2.3-2.7x for `protocol="host"`, benchmarks/README.md);
-`protocol="auto"` (the default; `runtime.protocol`) takes it where the ranks span hosts and the host-summed path on
-one host, where that path's copies go through shared memory (`mpi_partial_direct.direct_protocol`).
+0, 1, 2, ... on every rank. `protocol="direct"` (up to 40 ranks) moves a round's contributions between its
+contributors, not through the slots (steps 3-5; `mpi_partial_direct`: 1.2-1.4x an `MPI_Allreduce` across hosts at
+quorum n - 1, `protocol="host"` 2.3-2.7x); `"auto"` (the default, `runtime.protocol`) takes it where the ranks span
+hosts, else the host path, whose copies go through shared memory (`mpi_partial_direct.direct_protocol`).
 """
 
 from __future__ import annotations
