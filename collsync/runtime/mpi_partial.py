@@ -91,8 +91,7 @@ gate: the lagging ranks and the rounds they have read; for a round: how many ran
 gate leaves the protocol intact (no ticket was taken), so the call may be retried; one while waiting for a round to
 complete is final (the ticket is spent): stop the run.
 
-`quorum` must be the same on every rank for a round (like the count of a collective); the combining rank records it
-and every reader checks it.
+`quorum` must be the same on every rank for a round (as a collective's count); the combiner records, readers check it.
 
 Memory on the host: (n + depth) * numel floats (the direct exchange: depth * numel). Calls are made in round order
 0, 1, 2, ... on every rank. `protocol="direct"` (up to 40 ranks) moves a round's contributions between its
