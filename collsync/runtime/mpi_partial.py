@@ -315,7 +315,7 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         `timeout` to do the same, and name the ranks that never posted the round or never answered."""
         self._store(self._waited + self.rank, round_)
         deadline = time.monotonic() + (self.timeout or 0.0)
-        backoff = Backoff(cap=0.01)
+        backoff = Backoff(cap=0.01, check=self._backoff.check)
         while True:
             read = self._load_many(self._read, self.size)
             waited = self._load_many(self._waited, self.size)

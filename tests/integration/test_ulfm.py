@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from collsync.checks import check_trace
-from collsync.policy import bsp
+from collsync.policy import backup, bsp
 from tests.integration.hits import OPENMPI, OPENMPI_ENV, ROOT, Launcher, run_hitting
 
 pytestmark = [
@@ -81,3 +81,31 @@ def test_collsync_train_allreduce_goes_on_in_place_without_a_killed_rank(tmp_pat
     counts = check_trace(hit.trace, bsp(), 4)
     assert counts["updates"] == steps and counts["dropped"] == 0
     assert "going on in place with 3 of 4 ranks" in hit.stderr, hit.stderr[-3000:]
+
+
+def test_collsync_train_partial_goes_on_in_place_without_a_killed_rank(tmp_path: Path) -> None:
+    """`runtime=partial sync=backup sync.backups=1` at -n 4 (the windows' k-of-n rounds; `sync=bsp`'s rounds are
+    allreduces, whose failure MPI reports itself), rank 3 killed past update 100 of 300: the failure is seen at once
+    (no deadline wait: the default 600 s), the others shrink, agree on the step and go on with a new partial
+    allreduce on 3 ranks, every update applied (a `lost` then a `world` event, every later round's contributors
+    among the 3 left, the quorum n' - b = 2), the trace checks out, no `resume` event, `lost` in the summary, exit 0."""
+    steps, killed, sync = 300, 3, ["sync=backup", "sync.backups=1"]
+    overrides = ["runtime=partial", *sync, "optimizer=sgd", "checkpoint.every=50"]
+    hit = run_hitting(ULFM, tmp_path, 4, overrides, steps, [(100, killed, signal.SIGKILL)], BOUND_S)
+    assert hit.returncode == 0, hit.stderr[-3000:]
+    assert "incomplete" not in hit.summary
+    assert hit.summary["updates"] == steps
+    assert [x["rank"] for x in hit.summary["lost"]] == [killed]
+    world = hit.trace.of("world")
+    assert len(world) == 1 and (world[0]["workers"], world[0]["was"]) == (3, 4), world
+    at = world[0]["version"]
+    assert 100 <= at < steps
+    applies = hit.trace.of("apply")
+    assert len(applies) == steps
+    assert all(max(e["workers"]) <= 2 for e in applies[at:])
+    assert all(3 <= len(e["workers"]) <= 4 for e in applies[:at])  # backup's margin may take a 4th
+    assert all(2 <= len(e["workers"]) <= 3 for e in applies[at:])
+    assert not hit.trace.of("resume")
+    assert check_trace(hit.trace, backup(1), 4, up_to_all=True)["updates"] == steps
+    assert "going on in place with 3 of 4 ranks" in hit.stderr, hit.stderr[-3000:]
+    assert hit.took < 120  # the default deadline (600 s) was never waited out
