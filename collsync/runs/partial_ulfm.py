@@ -19,9 +19,9 @@ block of the sum). Then, as the bucketed reducer does for `runtime=allreduce` (`
 4. the round that was open is done again by the n' left; the gradients of it are computed again (on the batches
    of n'), nothing else: no relaunch, no checkpoint read.
 
-Rank 0 evaluates, checkpoints and writes the run folder, so a dead rank 0 ends the run as before (`rank0_lost`),
-for `collsync-run` to relaunch. A rank stopped, not dead, is not a process failure: `sync.backups` and the deadline
-decide (`mpi_partial_lost`).
+Rank 0 evaluates, checkpoints and writes the run folder, so a dead rank 0 ends the run (`rank0_lost`: one line,
+exit 2, at once), for `collsync-run` to relaunch from the last checkpoint. A rank stopped, not dead, is not a
+process failure: `sync.backups` and the deadline decide (`mpi_partial_lost`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from collsync import ending
 from collsync.data import Batches
@@ -40,16 +40,25 @@ from collsync.runs.parts import Launch
 from collsync.runtime import PartialResult
 from collsync.runtime.mpi_partial import PartialAllreduce
 from collsync.runtime.mpi_ulfm import Shrunk, recovering, shrink
-from collsync.runtime.mpi_world import RankLost
+from collsync.runtime.mpi_world import rank_prefix
 from collsync.server import Server
 from collsync.types import Flat
 
 
-def rank0_lost(host: str) -> RankLost:
-    """The one line where rank 0 died: it evaluates, checkpoints and writes the run folder."""
-    return RankLost(
-        f"rank 0 on {host} died (it evaluates, checkpoints and writes the run folder): the run cannot go on in "
-        "place; collsync-run relaunches it on the ranks left from the last checkpoint"
+def rank0_lost(shrunk: Shrunk, host: str) -> NoReturn:
+    """Rank 0 died: it evaluates, checkpoints and writes the run folder, so the run cannot go on in place. The
+    lowest survivor says so in one line and ends the job (`MPI_Abort(2)`, as any error of the run); the others
+    wait for that rather than each say it. The last checkpoint stays for `collsync-run`'s relaunch."""
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    first = shrunk.comm.Get_rank() == 0
+    ending.end(
+        ending.DEADLINE,
+        f"collsync-train: {rank_prefix(MPI.COMM_WORLD)}: error: rank 0 on {host} died (it evaluates, checkpoints "
+        "and writes the run folder), so the run cannot go on in place (ULFM); collsync-run relaunches it on the "
+        "ranks left from its last checkpoint",
+        comm=MPI.COMM_WORLD,
+        defer=0.0 if first else 2 * ending.REPORT_GRACE_S,
     )
 
 
@@ -101,7 +110,7 @@ class InPlace:
         launch, old = self.launch, self.launch.comm
         shrunk = shrink(old, *self.pa.comms())
         if 0 in shrunk.lost:
-            raise rank0_lost(launch.hosts[0])
+            rank0_lost(shrunk, launch.hosts[0])
         self._catch_up(shrunk, server, on_update)
         gone = [launch.hosts[r] for r in shrunk.lost]
         self.lost.extend(ending.lost_rank(r, h, server.contributed[r]) for r, h in zip(shrunk.lost, gone, strict=True))

@@ -83,12 +83,12 @@ def _follow(
     or computed again: the replica regroups (`lost` and `world` events, the quorum of n'), the data follows
     `data.Batches` with n' workers (worker w's j-th batch, j the step), the world's communicator is the
     survivors', and the summary lists the rank in `lost`. Rank 0 evaluates, checkpoints and writes the run folder:
-    without it the run ends as before (`RankLost`), for `collsync-run` to relaunch."""
+    without it the run ends in one line (`partial_ulfm.rank0_lost`), for `collsync-run` to relaunch."""
 
     def follow(shrunk: Shrunk) -> None:
         server, hosts, old = held[0], launch.hosts, launch.comm
         if 0 in shrunk.lost:
-            raise rank0_lost(hosts[0])
+            rank0_lost(shrunk, hosts[0])
         gone = [hosts[r] for r in shrunk.lost]
         lost.extend(ending.lost_rank(r, h, server.contributed[r]) for r, h in zip(shrunk.lost, gone, strict=True))
         regroup(server, shrunk.lost, shrunk.lost, gone)
