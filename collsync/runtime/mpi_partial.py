@@ -141,7 +141,7 @@ class PartialAllreduce(DirectRounds, PartialWindows):
     `depth` rounds of results are kept (see the module docstring for what a rank further behind does); `timeout`
     (seconds, None = wait for ever) bounds every wait; `margin` (None, seconds, or "auto") is how long a round waits
     after its quorum-th arrival for the others (module docstring), and a result's `quorum` is then the number of
-    contributions averaged. `free()` (collective) releases the windows.
+    contributions averaged. `free()` (collective) releases the windows. `watch=True` (ULFM): see `mpi_partial_lost`.
     """
 
     # -- one round -------------------------------------------------------------------------------------------------
