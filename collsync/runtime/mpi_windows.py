@@ -46,8 +46,9 @@ class Backoff:
         self, spins: int = 50, first: float = 20e-6, cap: float = 1e-3, check: Callable[[], None] | None = None
     ) -> None:
         self.spins, self.first, self.cap = spins, first, cap
-        # Called at every pause: a failure detector (`mpi_ulfm.Watch.check`) raises there, so that no poll of a
-        # window waits on a rank that died.
+        # Called at every pause that sleeps: a failure detector (`mpi_ulfm.Watch.check`) raises there, so that no
+        # poll of a window waits on a rank that died. Not while spinning: one check costs about 45 us (it runs
+        # Open MPI's progress engine), and most waits end within the spins.
         self.check = check
         self.reset()
 
@@ -55,10 +56,10 @@ class Backoff:
         self.n, self.pause = 0, self.first
 
     def wait(self) -> None:
-        if self.check is not None:
-            self.check()
         self.n += 1
         if self.n > self.spins:
+            if self.check is not None:
+                self.check()
             time.sleep(self.pause)
             self.pause = min(self.cap, self.pause * 2)
 
