@@ -1,8 +1,10 @@
 """Full sync that loses a rank and goes on in place, under Open MPI 5's ULFM (`mpirun --with-ft ulfm`): a bsp job
 at -n 4 with one rank killed (SIGKILL) mid-run finishes on 3 ranks with the same step count, in the same job (no
 relaunch: each survivor started once), nothing read back from a checkpoint, and the lost rank named. Both fronts:
-a `collsync.torch` script (tests/scripts/torch_shrink.py) and `collsync-train runtime=allreduce`. Default deadlines
-(nothing here waits on one: ULFM reports the dead process to the reduction at once)."""
+a `collsync.torch` script (tests/scripts/torch_shrink.py) and `collsync-train runtime=allreduce`; and
+`runtime=partial` (serverless backup), whose waits see the dead rank through ULFM's failure detector. Rank 0 killed:
+the script goes on (the lowest survivor is rank 0 from then on), collsync-train refuses in one line. Default
+deadlines (nothing here waits on one: ULFM reports the dead process at once)."""
 
 from __future__ import annotations
 
