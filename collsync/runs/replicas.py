@@ -18,13 +18,15 @@ from collsync.lost import grace, regroup
 from collsync.rounds import run_partial, tolerated
 from collsync.rundir import write_run
 from collsync.runs.delays import injected
+from collsync.runs.partial_ulfm import InPlace, rank0_lost
 from collsync.runs.parts import Launch, keep_on_failure, make_server, progress
 from collsync.runs.resume import replicas_resume
+from collsync.runtime import mpi_ulfm
 from collsync.runtime.mpi_buckets import BucketReducer
 from collsync.runtime.mpi_coll import MpiCollective, shutdown
 from collsync.runtime.mpi_partial import PartialAllreduce
 from collsync.runtime.mpi_ulfm import Shrunk
-from collsync.runtime.mpi_world import RankLost, open_mpi
+from collsync.runtime.mpi_world import open_mpi
 from collsync.server import Server
 from collsync.trace import Trace
 
@@ -81,15 +83,12 @@ def _follow(
     or computed again: the replica regroups (`lost` and `world` events, the quorum of n'), the data follows
     `data.Batches` with n' workers (worker w's j-th batch, j the step), the world's communicator is the
     survivors', and the summary lists the rank in `lost`. Rank 0 evaluates, checkpoints and writes the run folder:
-    without it the run ends as before (`RankLost`), for `collsync-run` to relaunch."""
+    without it the run ends in one line (`partial_ulfm.rank0_lost`), for `collsync-run` to relaunch."""
 
     def follow(shrunk: Shrunk) -> None:
         server, hosts, old = held[0], launch.hosts, launch.comm
         if 0 in shrunk.lost:
-            raise RankLost(
-                f"rank 0 on {hosts[0]} died (it evaluates, checkpoints and writes the run folder): the run cannot go "
-                "on in place; collsync-run relaunches it on the ranks left"
-            )
+            rank0_lost(shrunk, hosts[0])
         gone = [hosts[r] for r in shrunk.lost]
         lost.extend(ending.lost_rank(r, h, server.contributed[r]) for r, h in zip(shrunk.lost, gone, strict=True))
         regroup(server, shrunk.lost, shrunk.lost, gone)
@@ -125,26 +124,43 @@ def partial_step(launch: Launch) -> Step:
         # A frozen rank never comes back here: the others go on while it is within `depth` rounds, then wait for it
         # (for at most sync.deadline, then it is lost, or the run fails naming it).
         grads = injected(grads, launch.sampler, spec.time_scale, lambda: False, rank=launch.comm.Get_rank())
-    pa = PartialAllreduce(
-        launch.comm,
-        flat.numel,
-        dtype=flat.params.dtype,
-        depth=spec.depth,
-        timeout=policy.deadline,
-        margin=spec.margin,
-        tolerate=tolerated(policy, launch.workers),
-        protocol=spec.protocol,
-    )
+    ulfm = launch.workers > 1 and mpi_ulfm.enabled()
+
+    def make(comm: Any) -> PartialAllreduce:
+        return PartialAllreduce(
+            comm,
+            flat.numel,
+            dtype=flat.params.dtype,
+            depth=spec.depth,
+            timeout=policy.deadline,
+            margin=spec.margin,
+            tolerate=tolerated(policy, comm.Get_size()),
+            watch=ulfm,
+            protocol=spec.protocol,
+        )
 
     lost: list[dict[str, Any]] = []
+    # Under ULFM a dead rank is shrunk away and the others go on from the same step with a new partial allreduce.
+    shrinking = InPlace(launch, make, lost) if ulfm else None
+    fixed = [make(launch.comm)] if shrinking is None else []
+
+    def current() -> PartialAllreduce:
+        return fixed[0] if shrinking is None else shrinking.pa
+
     base = [0]  # the version the replica started at (a resume): the partial allreduce counts its rounds from it
 
     def train(server: Server, grads: GradFn, on_update: OnUpdate) -> None:
         base[0] = server.version
-        run_partial(server, pa, grads, on_update=on_update, catch_up=spec.catch_up is not False)
+        if shrinking is not None:
+            shrinking.train(server, grads, on_update, spec.catch_up is not False)
+        else:
+            run_partial(server, current(), grads, on_update=on_update, catch_up=spec.catch_up is not False)
 
     def free() -> None:
         """Collective, unless ranks were lost: then the windows and the world's end are left to the exit."""
+        pa = current()
+        if shrinking is not None:
+            base[0] = shrinking.kept.base
         if pa.tolerate and pa.leave_live():
             lost.extend(ending.lost_rank(r, pa.host_of(r), pa.lost[r] - 1 + base[0]) for r in sorted(pa.lost))
             leave_without(launch)

@@ -115,6 +115,7 @@ class BucketReducer:
         self.completed = 0  # reductions completed (the survivors of a failure compare them: `mpi_ulfm.plan`)
         self.on_shrink: list[Callable[[mpi_ulfm.Shrunk], None]] = []
         self.redo = True  # after a shrink, do the open reduction again (False: leave it, raise mpi_ulfm.Shrank)
+        self._also: list[MPI.Comm | None] = []  # communicators the next shrink revokes too (`leave`)
         self._failed: BaseException | None = None  # a failure raised where it cannot be handled (a hook)
         # Under ULFM `post` stays after the sum: a shrink changes the divisor, and the kept contribution must not
         # hold a 1/n already.
@@ -237,9 +238,18 @@ class BucketReducer:
                 raise
             raise RuntimeError(f"{self.what}: {mpi_ulfm.NOT_THERE}") from exc
 
+    def leave(self, error: BaseException, *also: MPI.Comm) -> None:
+        """A failure first seen outside this reducer (a collective of the caller's on the same ranks): revoke `also`
+        and recover as a reducer that saw it would, without the redo (survivors that saw it here meet these in the
+        same calls); raises `mpi_ulfm.Shrank`."""
+        self.redo = False
+        self._also = list(also)
+        self._recover(error)
+
     def _recover(self, error: BaseException) -> None:
         """After a process failure (see the class): shrink, agree on the step, rebuild, and set up the redo."""
-        shrunk = mpi_ulfm.shrink(self.comm, None if self._thread is None else self._thread.comm)
+        also, self._also = [*self._also, None if self._thread is None else self._thread.comm], []
+        shrunk = mpi_ulfm.shrink(self.comm, *also)
         threaded = self._thread is not None
         if self._thread is not None:
             self._thread.abandon()

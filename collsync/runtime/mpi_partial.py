@@ -141,7 +141,7 @@ class PartialAllreduce(DirectRounds, PartialWindows):
     `depth` rounds of results are kept (see the module docstring for what a rank further behind does); `timeout`
     (seconds, None = wait for ever) bounds every wait; `margin` (None, seconds, or "auto") is how long a round waits
     after its quorum-th arrival for the others (module docstring), and a result's `quorum` is then the number of
-    contributions averaged. `free()` (collective) releases the windows.
+    contributions averaged. `free()` (collective) releases the windows. `watch=True` (ULFM): see `mpi_partial_lost`.
     """
 
     # -- one round -------------------------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         `timeout` to do the same, and name the ranks that never posted the round or never answered."""
         self._store(self._waited + self.rank, round_)
         deadline = time.monotonic() + (self.timeout or 0.0)
-        backoff = Backoff(cap=0.01)
+        backoff = Backoff(cap=0.01, check=self._backoff.check)
         while True:
             read = self._load_many(self._read, self.size)
             waited = self._load_many(self._waited, self.size)

@@ -141,7 +141,7 @@ class Messages:
             self.counts.round_trips += 1
         backoff, start = self.backoff, time.monotonic()
         backoff.reset()
-        while not self.MPI.Request.Testall(reqs):
+        while not self._testall(reqs):
             limit = keepalive.patience(timeout)  # shorter once the launcher said that a rank died
             if limit is not None and time.monotonic() - start >= limit:
                 missing = [p for req, p in zip(reqs, peers, strict=False) if not req.Test()]
@@ -153,6 +153,16 @@ class Messages:
                 os.sched_yield()
             else:
                 backoff.wait()
+
+    def _testall(self, reqs: list[Any]) -> bool:
+        try:
+            return bool(self.MPI.Request.Testall(reqs))
+        except self.MPI.Exception:
+            # MPI_ERR_IN_STATUS: a request failed. Under ULFM a dead peer's: the failure detector reports it as the
+            # process failure it is (`mpi_ulfm.Watch.check` raises), so that the caller shrinks the world.
+            if self.backoff.check is not None:
+                self.backoff.check()
+            raise
 
     def receive_any(self, buf: np.ndarray, tag: int, timeout: float | None, late: Callable[[], str]) -> None:
         """Receive `buf` (int64) with `tag` from whichever rank sends it: probed for, then received from the rank

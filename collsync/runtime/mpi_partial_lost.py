@@ -19,15 +19,21 @@ done) makes that round fail after `timeout` naming it, as before; the host of th
 be the lost one across nodes (its memory serves the others; on one node MPICH's shared-memory windows go on).
 At the end the ranks first meet through flags (`leave_live`), not a barrier: one that never comes is lost there too
 (within `tolerate`), and with any rank lost the windows are left to the process's exit (freeing them is collective).
+
+Under ULFM (`watch=True`: Open MPI 5's `mpirun --with-ft ulfm`) a rank that *dies* is not waited for at all: every
+wait's pause checks `mpi_ulfm.Watch`, which raises MPI's process-failure error within a pause of the death, wherever
+the rank died (inside a round it counts in too). The object cannot go on after that; the caller shrinks the world
+(revoking `comms()` too) and makes a new one on the ranks left (`runs.partial_ulfm`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from collsync import keepalive
+from collsync.runtime import mpi_ulfm
 from collsync.runtime.mpi_windows import Backoff
 from collsync.runtime.mpi_world import RankLost
 from collsync.say import say
@@ -49,6 +55,10 @@ class LostRanks:
     _lost_at: int
     _left: int
     _read: int
+    _full_comm: Any
+    msgs: Any
+    watch: mpi_ulfm.Watch | None
+    _backoff: Backoff
 
     if TYPE_CHECKING:  # PartialWindows' atomics and layout
 
@@ -58,6 +68,28 @@ class LostRanks:
         def _load_many(self, disp: int, count: int) -> Any: ...
         def _entry_at(self, round_: int) -> int: ...
         def _bit(self, rank: int) -> int: ...
+
+    def _watching(self, comm: Any, watch: bool) -> Callable[[], None] | None:
+        """The failure detector's check (None without `watch`); made before the windows, as collectively."""
+        self.watch = mpi_ulfm.Watch(comm) if watch else None
+        return None if self.watch is None else self.watch.check
+
+    def _free_comms(self) -> None:
+        """Collective (every rank alive): free the duplicates of `comm` (the messages', the full rounds', the
+        watch's)."""
+        if self.msgs is not None:
+            self.msgs.free()
+        if self._full_comm != self.MPI.COMM_NULL:  # freed already (mpi4py sets the handle to COMM_NULL)
+            self._full_comm.Free()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
+    def comms(self) -> list[Any]:
+        """The communicators this object waits on besides `comm` (its duplicates): what a rank that saw a failure
+        revokes (`mpi_ulfm.shrink`), so that no survivor stays inside one."""
+        extra = [self._full_comm] + ([] if self.msgs is None else [self.msgs.comm])
+        return extra + ([] if self.watch is None else [self.watch.comm])
 
     def host_of(self, rank: int) -> str:
         return self._hosts[rank]
@@ -113,7 +145,7 @@ class LostRanks:
         and the caller may close collectively; some, and the windows are left to the process's exit."""
         self._store(self._left + self.rank, 1)
         start = time.monotonic()
-        backoff = Backoff(cap=0.01)
+        backoff = Backoff(cap=0.01, check=self._backoff.check)
         while True:
             self._learn_lost()
             left = self._load_many(self._left, self.size).tolist()

@@ -1,8 +1,7 @@
 """The windows and control words of the k-of-n partial allreduce (`mpi_partial`, whose docstring gives the
 protocol): their layout and encodings (pure helpers, no MPI), the atomics that read and write control words, the
 waits with their timeout messages, and the gate that frees a ring entry. `mpi_partial.PartialAllreduce` runs the
-rounds over them.
-"""
+rounds over them."""
 
 from __future__ import annotations
 
@@ -132,6 +131,7 @@ class PartialWindows(LostRanks, Windows):
         margin: float | str | None = None,
         tolerate: int = 0,
         protocol: str = "auto",
+        watch: bool = False,
     ) -> None:
         from mpi4py import MPI  # lazily: collsync's modules import without an MPI library
 
@@ -179,8 +179,9 @@ class PartialWindows(LostRanks, Windows):
         self._stranded: int | None = None  # the full round whose allreduce timed out (nothing can follow it)
         self._one = np.ones(1, dtype=np.int64)
         self._words = Words(self.win_ctrl, host)  # the control words' atomics, as the mailbox's
-        self._backoff = Backoff(cap=poll_cap(comm))
-        self.msgs = Messages(comm, self._mpi_t, Backoff(cap=self._backoff.cap)) if self.direct else None
+        check = self._watching(comm, watch)  # ULFM's failure detector, checked at every pause (`mpi_partial_lost`)
+        self._backoff = Backoff(cap=poll_cap(comm), check=check)
+        self.msgs = Messages(comm, self._mpi_t, Backoff(cap=self._backoff.cap, check=check)) if self.direct else None
         self._large = numel * np.dtype(self._np).itemsize > LARGE_MESSAGE
 
     # -- set-up and tear-down --------------------------------------------------------------------------------------
@@ -286,10 +287,7 @@ class PartialWindows(LostRanks, Windows):
         if self.timeout is not None and self._wins:
             gate(self.comm, self.timeout, "partial allreduce: freeing the windows", startup=False)
         super().free()
-        if self.msgs is not None:
-            self.msgs.free()
-        if self._full_comm != self.MPI.COMM_NULL:  # freed already (mpi4py sets the handle to COMM_NULL)
-            self._full_comm.Free()
+        self._free_comms()
 
     def latest(self) -> int:
         """The highest round whose mean is complete in the ring (-1 if none; full-quorum rounds never use the

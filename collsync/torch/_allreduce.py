@@ -31,7 +31,7 @@ from collsync.runtime.mpi_coll import threads_supported
 from collsync.runtime.mpi_ulfm import Shrank, Shrunk
 from collsync.runtime.mpi_world import host_of
 from collsync.say import say
-from collsync.torch import _mode, _world, ops, sampler
+from collsync.torch import _mode, _ulfm, _world, ops, sampler
 from collsync.torch._mode import Mode
 from collsync.torch._ops_base import HorovodInternalError, forget
 from collsync.torch._ops_reduce import _allreduce_start
@@ -73,6 +73,7 @@ class AllreduceMode(Mode):
         self.reducer: BucketReducer | None = None
         self._lost: list[dict[str, Any]] = []
         self.handles: list[Any] = []
+        self._unregister: Callable[[], None] = lambda: None
         size = st.comm.Get_size()
         if (
             st.backend != "horovod"
@@ -96,6 +97,8 @@ class AllreduceMode(Mode):
             )
             if self.reducer.ulfm and process_set is ops.global_process_set:
                 self.reducer.on_shrink.append(self._shrunk)
+                # A failure first seen by another collective shrinks the world through this reducer (`_ulfm`).
+                self._unregister = _ulfm.register(self.reducer.leave)
         else:
             self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
 
@@ -212,5 +215,6 @@ class AllreduceMode(Mode):
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self._unregister()
         if self.reducer is not None:
             self.reducer.remove()

@@ -303,6 +303,12 @@ def _headers(comm: Any) -> Any:
     return entry[1]
 
 
+def dups(comm: Any) -> list[Any]:
+    """The duplicates of `comm` the operations wait on (headers, stall check, barrier): revoked with it (ULFM)."""
+    entry = _HEADERS.get(id(comm))
+    return [] if entry is None or entry[0] is not comm else [entry[1], entry[2].comm, entry[3]]
+
+
 def forget(comm: Any) -> None:
     """Drop what was made for `comm`, a communicator shrunk away after a rank died (ULFM): the stall check would
     probe its side at every later wait, and fail there on the dead rank."""

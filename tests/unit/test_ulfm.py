@@ -1,6 +1,7 @@
 """The logic of a world shrunk in place under ULFM that needs no MPI: whether ULFM is on (`mpi_ulfm.enabled`), the
 survivors' agreement on the step (`mpi_ulfm.plan`), the replica regrouped on the workers left (`lost.regroup`), a
-sampler's epoch dealt out afresh among them (`DistributedSampler.reshard`), and a `Shrank` handed up. The MPI side
+sampler's epoch dealt out afresh among them (`DistributedSampler.reshard`), a `Shrank` handed up, and the partial
+allreduce's last results kept for the ranks behind (`runs.partial_ulfm.Kept`). The MPI side
 runs in tests/integration/test_ulfm.py and tests/integration/test_elastic.py."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collsync.checks import check_trace
 from collsync.lost import regroup
 from collsync.policy import bsp
 from collsync.rules import sgd
-from collsync.runtime import mpi_ulfm
+from collsync.runs.partial_ulfm import Kept
+from collsync.runtime import PartialResult, mpi_ulfm
 from collsync.server import Server
 from collsync.torch.sampler import DistributedSampler
 from collsync.trace import Trace
@@ -105,3 +107,31 @@ def test_a_reduction_that_shrank_and_left_is_handed_up_not_recovered_again():
     with pytest.raises(mpi_ulfm.Shrank, match=r"the gradient allreduce: rank\(s\) 2 of 4 died; the 3 left"):
         mpi_ulfm.recovering(attempt, lambda error: calls.append("recover"))
     assert calls == ["attempt"]
+
+
+class _Rounds:
+    """A partial allreduce of 2 ranks whose round t's mean is t (rank 0 contributes, rank 1 is dropped)."""
+
+    rank, size, depth = 0, 2, 2
+
+    def __call__(self, tensor, quorum, round):
+        return PartialResult(torch.full((2,), float(round)), round, 1, [0], [1])
+
+    def try_read(self, quorum, round):
+        return None if round % 2 else self(None, quorum, round)
+
+
+def test_the_partial_allreduce_keeps_its_last_results_by_the_replicas_version():
+    """After a shrink a rank ahead hands one behind the results it missed (`runs.partial_ulfm`): `Kept` keeps the
+    last `keep` results, numbered by the replica's version (its base + the transport's round), their means copied."""
+    kept = Kept(3)
+    kept.use(_Rounds(), base=10)
+    results = [kept(torch.zeros(2), 1, 0), kept.try_read(1, 1), kept.try_read(1, 2), kept(torch.zeros(2), 1, 3)]
+    assert results[1] is None
+    assert [r.round for r in kept.results] == [10, 12, 13]
+    assert [r.mean[0].item() for r in kept.results] == [0.0, 2.0, 3.0]
+    results[3].mean.add_(1.0)  # the caller's mean is its own: the kept copy does not change
+    assert kept.results[-1].mean[0].item() == 3.0
+    kept.use(_Rounds(), base=20)
+    kept(torch.zeros(2), 1, 0)
+    assert [r.round for r in kept.results] == [12, 13, 20] and (kept.rank, kept.size) == (0, 2)

@@ -40,9 +40,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from collsync.runtime.mpi_ulfm import Shrank
+from collsync.runtime.mpi_ulfm import Shrank, failure
 from collsync.say import say
-from collsync.torch import _world
+from collsync.torch import _ulfm, _world
 from collsync.torch._ops_base import HorovodInternalError, HostsUpdatedInterrupt
 from collsync.torch._world import init, shutdown, size
 from collsync.torch.elastic.sampler import ElasticSampler
@@ -110,17 +110,22 @@ def _loop(func: Callable[..., R], state: State, *args: Any, **kwargs: Any) -> R:
                 state.sync()
             return func(state, *args, **kwargs)
         except HorovodInternalError as exc:
-            state.restore()
+            why: BaseException = _restored(state, exc)
             skip_sync = False
-            why: BaseException = exc
-            if isinstance(exc.__cause__, Shrank) and state._rank() == 0:
-                say(
-                    f"collsync.torch.elastic: rank 0: restored commit {state.commits}; going on in place with "
-                    f"{size()} rank(s) (ULFM)"
-                )
         except HostsUpdatedInterrupt as exc:
             skip_sync = exc.skip_sync
             why = exc
+        except Exception as exc:
+            if not failure(exc):
+                raise
+            # A rank lost under ULFM, first seen by a collective of the function's own or by sync()'s broadcast.
+            try:
+                _ulfm.shrink_world(exc)
+            except Shrank as shrank:
+                internal = HorovodInternalError(f"collsync.torch: worker {_world.rank()}: {shrank}")
+                internal.__cause__ = shrank
+                why = _restored(state, internal)
+            skip_sync = False
         resets += 1
         if resets > RESET_LIMIT:
             raise RuntimeError(
@@ -128,6 +133,17 @@ def _loop(func: Callable[..., R], state: State, *args: Any, **kwargs: Any) -> R:
                 f"times in this job and failed again ({type(why).__name__}: {why})"
             ) from why
         state.on_reset()
+
+
+def _restored(state: State, exc: HorovodInternalError) -> HorovodInternalError:
+    """Horovod's answer to `HorovodInternalError`: the last commit restored (one line where a rank was lost)."""
+    state.restore()
+    if isinstance(exc.__cause__, Shrank) and state._rank() == 0:
+        say(
+            f"collsync.torch.elastic: rank 0: restored commit {state.commits}; going on in place with {size()} "
+            "rank(s) (ULFM)"
+        )
+    return exc
 
 
 __all__ = [
