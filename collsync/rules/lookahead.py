@@ -1,21 +1,28 @@
 """Momentum with a look-ahead read for stale rounds (SSP): DANA's estimate with the horizon the rounds are stale by.
 
 A worker under SSP computes the gradient of round c on parameters read at version c - d (d <= max_lead, 004_...
-§II-C), and the server applies it at version c. In between, the server's momentum alone carries the parameters d
-steps further; with g = 0 in those steps (heavy ball, v <- gamma v; theta <- theta - eta v),
+§II-C), and the server applies it at version c, in the update that takes the parameters to c + 1. The server's
+momentum alone carries the parameters through those d updates and the one the gradient enters; with g = 0 in them
+(heavy ball, v <- gamma v; theta <- theta - eta v),
 
-    theta_c = theta_{c-d} - eta (gamma + ... + gamma^d) v = theta_{c-d} - eta gamma (1 - gamma^d) / (1 - gamma) v.
+    theta_{c+1} = theta_{c-d} - eta (gamma + ... + gamma^(d+1)) v = theta_{c-d} - eta D(d + 1) v.
 
 The server publishes that estimate (`view`), so the gradient is computed where momentum is taking the parameters:
 DANA's look-ahead (001_... App. C.1, Alg. 6; Hakimi et al., "Taming momentum in a distributed asynchronous
-environment"), whose d is one update of each other worker, here the rounds' own staleness. d is not known when the
-server publishes, so it is the running mean of the staleness the server has seen (`Context.staleness`, updates
-between a round's read and its apply), or a fixed `horizon`. At d = 0 (BSP) the view is theta itself and the rule is
-`collsync.rules.momentum`, bit for bit.
+environment"), theta - eta gamma sum_j v_j, which moves every worker's momentum one step, the reader's own
+included: through the update its gradient enters (with one worker, Nesterov's gradient point). Here d is the
+rounds' own staleness; it is not known when the server publishes, so it is the running mean of the staleness the
+server has seen (`Context.staleness`, updates between a round's oldest read and its apply), or a fixed `horizon`.
+While no round was stale (d = 0: BSP) the view is theta itself and the rule is `collsync.rules.momentum`, bit for bit.
 
-Why: without it an SSP run at the lr of synchronous rounds and momentum 0.9 diverges (the delay adds a momentum of
-its own, Mitliagkas et al., 2016); at lr / (1 + max_lead) it is safe but slow (digits, 4 workers, 8 epochs: 0.81
-where BSP reaches 0.95).
+The step is Staleness-Aware's eta / tau (001_... Alg. 3, Zhang et al.), tau = max(1, the round's staleness): a
+gradient stale by tau rounds shrinks the step that keeps heavy ball stable, about as 1 / tau, and the look-ahead
+does not give it back (it cannot foresee the gradients still to come).
+
+Why: without the look-ahead an SSP run at the lr of synchronous rounds and momentum 0.9 diverges (the delay adds a
+momentum of its own, Mitliagkas et al., 2016); looking ahead only to the version the gradient is applied at (D(d),
+one momentum step short of DANA's) left the digits CNN (4 workers, bound 1, 20 epochs, simulator, seeds 0-4) 1.3
+points below BSP at the median and 4 at worst; through the update it enters, 0.5 and 2 (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ import torch
 from collsync.rules.base import Rule, check_decay, check_lr, check_milestones, check_unit, pure, step_lr
 from collsync.rules.optim import MomentumState
 from collsync.rules.optim import momentum as heavy_ball
+from collsync.rules.staleness import staleness_tau
 from collsync.types import Context, Flat
 
 
 class LookaheadState(NamedTuple):
-    """The momentum buffer v, the staleness estimate d (running mean, or the fixed horizon) and eta_k of the last
-    update (the estimate extrapolates at the step just taken)."""
+    """The momentum buffer v, the staleness estimate d (running mean, or the fixed horizon) and the step of the last
+    update, eta_k / tau (the estimate extrapolates at the step just taken)."""
 
     v: torch.Tensor
     horizon: float
@@ -41,9 +49,16 @@ class LookaheadState(NamedTuple):
 
 def lookahead_distance(momentum: float, horizon: float, nesterov: bool = False) -> float:
     """sum_{k=1..d} gamma^k (heavy ball) or sum_{k=2..d+1} gamma^k (Nesterov, whose step is gamma v): how many v's
-    of momentum the next d updates move the parameters by when no gradient arrives. d may be fractional (a mean)."""
+    of momentum the next d updates move the parameters by when no gradient arrives. d may be fractional (a mean).
+    The view of a read stale by d covers d + 1 updates (`view_distance`)."""
     total = momentum * (1 - float(momentum**horizon)) / (1 - momentum)  # 0 at d = 0 or gamma = 0; gamma < 1 is checked
     return total * momentum if nesterov else total
+
+
+def view_distance(momentum: float, horizon: float, nesterov: bool = False) -> float:
+    """The look-ahead of a read stale by d rounds: D(d + 1), through the update its gradient enters (DANA's
+    convention, module docstring); 0 while no read was stale (d = 0), so that BSP's rounds stay heavy ball's."""
+    return lookahead_distance(momentum, horizon + 1, nesterov) if horizon > 0 else 0.0
 
 
 def lookahead(
@@ -59,12 +74,13 @@ def lookahead(
 ) -> Rule:
     """Momentum (or NAG) whose published parameters look ahead by the rounds' staleness:
 
-        v <- gamma v + g;   delta = -eta_k v  (NAG: -eta_k (gamma v + g));
-        view = theta - eta_k D(d) v,   D(d) = gamma (1 - gamma^d) / (1 - gamma)   (NAG: gamma D(d)),
-        d <- rho d + (1 - rho) tau   per update (tau: its staleness; `horizon` fixes d instead), rho = `smoothing`.
+        v <- gamma v + g;   delta = -(eta_k / tau) v  (NAG: -(eta_k / tau) (gamma v + g)),  tau = max(1, staleness);
+        view = theta - (eta_k / tau) D(d + 1) v  (0 while d = 0),  D(d) = gamma (1 - gamma^d) / (1 - gamma)
+            (NAG: gamma D(d + 1));
+        d <- rho d + (1 - rho) staleness   per update (`horizon` fixes d instead), rho = `smoothing`.
 
-    The update is `collsync.rules.momentum`'s own (in place); this rule adds the estimate d and the view. Weight
-    decay, warm-up and the step schedule are momentum's.
+    The update is `collsync.rules.momentum`'s own (in place) with the step divided by tau; this rule adds the
+    estimate d and the view. Weight decay, warm-up and the step schedule are momentum's.
     """
     name = "lookahead"  # checked here so that a bad value is refused under this rule's name
     check_lr(name, lr)
@@ -84,11 +100,14 @@ def lookahead(
 
     def update_(grad: Flat, state: LookaheadState, params: Flat, ctx: Context) -> tuple[Flat, LookaheadState]:
         delta, stepped = momentum_step(grad, MomentumState(state.v), params, ctx)
+        tau = staleness_tau(ctx)
+        if tau > 1:  # x / 1 is x: BSP's rounds stay heavy ball's bit for bit
+            delta.div_(tau)
         d = state.horizon if horizon is not None else smoothing * state.horizon + (1 - smoothing) * ctx.staleness
-        return delta, LookaheadState(stepped.v, d, step_lr(lr, warmup, ctx.step, steps, lr_decay))
+        return delta, LookaheadState(stepped.v, d, step_lr(lr, warmup, ctx.step, steps, lr_decay) / tau)
 
     def view(params: Flat, state: LookaheadState) -> Flat:
-        distance = lookahead_distance(momentum, state.horizon, nesterov)
+        distance = view_distance(momentum, state.horizon, nesterov)
         if distance == 0:
             return params
         return params - (state.eta * distance) * state.v

@@ -87,13 +87,13 @@ def server_lr(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> dict[st
     of the single worker's hyperparameters). SSP's rounds take Staleness-Aware's step eta / tau (Zhang et al., 001_...
     Alg. 3) at the bound tau = 1 + s: Horovod's lr x n with momentum 0.9 on rounds up to 3 stale diverges (digits,
     4 workers: 0.38 accuracy after 10 epochs; 0.92 with the division). Where the server's rule is the look-ahead
-    momentum (`collsync.rules.lookahead`, which `server_momentum` makes of a momentum SGD under SSP), the look-ahead
-    takes one round of that staleness and the division is by max(1, s): the full lr at s = 1 (digits, 8 epochs:
-    0.95-0.97, bsp 0.94-0.96; lr / 2 without the look-ahead 0.88-0.91), lr / 3 at s = 3 (0.91-0.92; the full lr with
-    the look-ahead 0.84-0.94). Momentum and the rest are unchanged.
+    momentum (`collsync.rules.lookahead`, which `server_momentum` makes of a momentum SGD under SSP), the rule divides
+    each round's step by max(1, its staleness) itself and the lr is left at n / n: the full lr at s = 1 (digits, 8
+    epochs: 0.95-0.97, bsp 0.94-0.96; lr / 2 without the look-ahead 0.88-0.91), about lr / 3 at s = 3 (0.91-0.92; the
+    full lr with the look-ahead 0.84-0.94). Momentum and the rest are unchanged.
     """
     lead = policy.max_lead or 0
-    staleness = max(1, lead) if rule.get("_target_") == LOOKAHEAD else 1 + lead
+    staleness = 1 if rule.get("_target_") == LOOKAHEAD else 1 + lead
     factor = policy.quorum_for(workers) / workers / staleness
     if "lr" not in rule or factor == 1:
         return rule

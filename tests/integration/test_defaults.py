@@ -1,10 +1,11 @@
 """The default configs train, and a policy's default optimizer never overrides what the user chose.
 
-Each sync policy may pick its own default optimizer (conf/sync/*.yaml: async takes DANA, ssp plain SGD, bfasgd
-FASGD), because heavy momentum on top of the implicit momentum of staleness does not train (benchmarks/README.md,
-"Defaults that train"). These tests pin both halves of that: the choice itself, and that `optimizer=`, `method=`
-and `penalty=` on the command line still win. Then each policy trains at its full defaults (8 simulated workers,
-300 updates) for one seed: a change of a default that stops a policy training fails here, in about half a minute.
+Each sync policy may pick its own default optimizer (conf/sync/*.yaml: async takes DANA, ssp the look-ahead
+momentum, bfasgd FASGD), because heavy momentum on top of the implicit momentum of staleness does not train
+(benchmarks/README.md, "Defaults that train"). These tests pin both halves of that: the choice itself, and that
+`optimizer=`, `method=` and `penalty=` on the command line still win. Then each policy trains at its full defaults
+(8 simulated workers, 300 updates) for one seed: a change of a default that stops a policy training fails here, in
+about half a minute.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from omegaconf import DictConfig
 from collsync.cli import CONF_DIR
 from collsync.train import run
 
-MOMENTUM, DANA, SGD, FASGD = (f"collsync.rules.{name}" for name in ("momentum", "dana", "sgd", "fasgd"))
+MOMENTUM, DANA, SGD, FASGD, LOOKAHEAD = (
+    f"collsync.rules.{name}" for name in ("momentum", "dana", "sgd", "fasgd", "lookahead")
+)
 NONE, STALENESS_AWARE, GAP_AWARE = (f"collsync.rules.{n}" for n in ("identity", "staleness_aware", "gap_aware"))
 
 
@@ -38,7 +41,7 @@ def config(*overrides: str) -> DictConfig:
         (["sync=backup"], MOMENTUM),
         (["sync=psp"], MOMENTUM),
         (["sync=async"], DANA),
-        (["sync=ssp"], SGD),
+        (["sync=ssp"], LOOKAHEAD),
         (["sync=bfasgd"], FASGD),
     ],
     ids=["default", "bsp", "backup", "psp", "async", "ssp", "bfasgd"],

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import collsync.torch as hvd
-from collsync.rules.lookahead import lookahead_distance
+from collsync.rules.lookahead import view_distance
 
 MOMENTUM = 0.5
 
@@ -50,7 +50,7 @@ def main() -> None:
         if args.sync == "ssp":  # the look-ahead over stale rounds (rules.lookahead), by the saved staleness estimate
             v, horizon, eta = shard["opt_state"]
             assert horizon > 0, "ssp's saved staleness estimate is 0: nothing was stale"
-            want = want - (eta * lookahead_distance(MOMENTUM, horizon)) * v
+            want = want - (eta * view_distance(MOMENTUM, horizon)) * v
         assert torch.equal(start, want), "the model did not start from the saved servers"
     gen = torch.Generator().manual_seed(100 + hvd.rank())
     for _ in range(args.steps):

@@ -48,7 +48,8 @@ def test_without_staleness_it_is_momentum_bit_for_bit():
 
 def test_the_view_looks_ahead_by_the_measured_staleness():
     """SSP, bound 2, two workers: round 0 read at version 0 (staleness 0), rounds 1 and 2 also read at version 0
-    (staleness 1, 2). d <- 0.5 d + 0.5 tau; view = theta - eta D(d) v."""
+    (staleness 1, 2). d <- 0.5 d + 0.5 tau; step eta / max(1, tau); view = theta - (eta / tau) D(d + 1) v, none
+    while d = 0."""
     lr, gamma, rho = 0.1, 0.5, 0.5
     server = Server(t(0.0, 0.0), lookahead(lr=lr, momentum=gamma, smoothing=rho), ssp(max_lead=2), 2)
     g = [t(1.0, 0.0), t(0.0, 2.0), t(2.0, 2.0)]
@@ -56,23 +57,52 @@ def test_the_view_looks_ahead_by_the_measured_staleness():
     for clock, grad in enumerate(g):
         for worker in (0, 1):
             server.accept(Arrival(worker, 0, grad.clone(), clock=clock))
+        tau = max(1, clock)  # this round's staleness: version clock - read version 0
         v = gamma * v + grad
-        theta = theta - lr * v
-        d = rho * d + (1 - rho) * clock  # this round's staleness: version clock - read version 0
+        theta = theta - lr / tau * v
+        d = rho * d + (1 - rho) * clock
         torch.testing.assert_close(server.params, theta)
-        distance = gamma * (1 - gamma**d) / (1 - gamma)
-        torch.testing.assert_close(server.view(), theta - lr * distance * v)
+        distance = gamma * (1 - gamma ** (d + 1)) / (1 - gamma) if d > 0 else 0.0
+        torch.testing.assert_close(server.view(), theta - lr / tau * distance * v)
     assert server.opt_state.horizon == pytest.approx(d)
 
 
+@pytest.mark.parametrize("d", [1, 2])
+def test_a_stale_read_sees_the_parameters_its_round_is_applied_to_and_the_step_it_enters(d):
+    """With no gradient in between (g = 0), momentum alone moves theta: a view read d rounds before its round is
+    applied equals the parameters after that round's update, d + 1 updates on (DANA's look-ahead, 001_... Alg. 6,
+    which moves the reader's own momentum too). One short (to the version it is applied at) fails this."""
+    lr, gamma = 0.1, 0.5
+    server = Server(t(1.0, -2.0), lookahead(lr=lr, momentum=gamma, horizon=d), ssp(max_lead=d), 1)
+    server.accept(Arrival(0, 0, t(3.0, 1.0), clock=0))  # v != 0, at staleness 0: the step is lr itself
+    seen = server.view().clone()
+    for clock in range(1, d + 2):
+        server.accept(Arrival(0, clock, t(0.0, 0.0), clock=clock))  # fresh reads: tau = 1, the step stays lr
+    torch.testing.assert_close(server.params, seen)
+
+
+def test_a_stale_round_steps_lr_over_its_staleness():
+    """Staleness-Aware's step (001_... Alg. 3): a round applied 3 updates after its read moves theta by
+    -(eta / 3) v, and a fresh one by -eta v."""
+    lr, gamma = 0.3, 0.5
+    server = Server(t(0.0), lookahead(lr=lr, momentum=gamma, horizon=0), ssp(max_lead=3), 1)
+    server.accept(Arrival(0, 0, t(1.0), clock=0))  # fresh: v = 1, theta = -0.3
+    torch.testing.assert_close(server.params, t(-0.3))
+    for clock in (1, 2, 3):
+        server.accept(Arrival(0, 0, t(0.0), clock=clock))  # read at version 0: staleness 1, 2, 3
+    v3 = gamma**3
+    want = -0.3 - lr * gamma - lr / 2 * gamma**2 - lr / 3 * v3
+    torch.testing.assert_close(server.params, t(want))
+
+
 def test_a_fixed_horizon_and_nesterov():
-    """horizon=1 looks ahead one step from the first update on; NAG steps -eta (g + gamma v) and looks ahead by
-    gamma^2 v."""
+    """horizon=1 looks ahead through two updates from the first on; NAG steps -eta (g + gamma v) and looks ahead by
+    gamma (gamma + gamma^2) v."""
     lr, gamma = 0.1, 0.5
     server = Server(t(1.0), lookahead(lr=lr, momentum=gamma, horizon=1, nesterov=True), ssp(max_lead=1), 1)
     server.accept(Arrival(0, 0, t(2.0), clock=0))  # v = 2; theta = 1 - 0.1 (2 + 0.5 * 2) = 0.7
     torch.testing.assert_close(server.params, t(0.7))
-    torch.testing.assert_close(server.view(), t(0.7 - lr * gamma**2 * 2.0))
+    torch.testing.assert_close(server.view(), t(0.7 - lr * gamma * (gamma + gamma**2) * 2.0))
 
 
 @pytest.mark.parametrize(
