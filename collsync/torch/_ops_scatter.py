@@ -17,13 +17,13 @@ import numpy as np
 import torch
 
 from collsync.torch import _inputs
+from collsync.torch._names import after
 from collsync.torch._ops_base import (
     REDUCESCATTER,
     Adasum,
     Average,
     Compression,
     Sum,
-    _AfterAgreement,
     _agree,
     _Agreement,
     _check,
@@ -154,7 +154,7 @@ def _reducescatter_start(
     scaled = post / size if op == Average else post
     outs: list[tuple[torch.Tensor, torch.Tensor]] = []  # each input's copy is kept until its request completes
 
-    def start() -> Any:
+    def start(comm: Any) -> Any:
         requests = []
         for t in tensors:
             buf = t.detach().clone(memory_format=torch.contiguous_format)
@@ -172,9 +172,9 @@ def _reducescatter_start(
         return [scale_(out, scaled) for _, out in outs]
 
     if size == 1:
-        return _Handle(start(), finish)
+        return _Handle(start(comm), finish)
     agreement = _Agreement(comm, tensors, op, pre, post, what, kind=REDUCESCATTER, name=name)
-    return _Handle(_AfterAgreement(agreement, start), finish)
+    return _Handle(after(agreement, start), finish)
 
 
 def reducescatter_async(

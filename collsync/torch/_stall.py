@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ class StallCheck:
     def __init__(self, deadline: float | None) -> None:
         self.configure(deadline)
         self.sides: list[Side] = []
+        self.hooks: list[Callable[[], None]] = []  # what every wait moves on too (`_names.progress_all`)
         self._next_look = 0.0
         self._asked: dict[int, float] = {}  # id(side) -> when this worker asked (one question per stall)
         self._answers: dict[int, dict[int, tuple[int, str]]] = {}
@@ -76,6 +78,8 @@ class StallCheck:
     def tick(self, side: Side | None = None, seq: int = 0, what: str = "", since: float = 0.0) -> None:
         """Answer the other workers' questions; where this worker waits for header `seq` on `side` (since
         `since`), ask once past the warning time, say what the answers show, and end the job past the end time."""
+        for hook in self.hooks:
+            hook()
         now = time.monotonic()
         if now < self._next_look:
             return
