@@ -32,8 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from collsync import ending
-from collsync.say import say
 from collsync.torch import _stall
 from collsync.torch._ops_base import (
     _ACTIVE,
@@ -162,7 +160,9 @@ class Negotiator:
         self.request: Any = None
         self.bufs = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
         self.joined = self.all_joined = self.busy = False
-        self.listed: dict[int, list[int]] = {}  # a waiting name -> the workers that listed it in the last round
+        self.joined_posts = 0  # the rounds this worker posted since it joined
+        self.side = entry[2]
+        self.side.named = lambda: [str(op.agreement.name) for op in self.waiting.values()]
         self.zeros: list[tuple[Any, list[torch.Tensor]]] = []  # a joined worker's contributions still moving
 
     def submit(self, op: Named) -> None:
@@ -195,6 +195,7 @@ class Negotiator:
             send[at : at + len(entry)] = entry
             listed, at = listed + 1, at + len(entry)
         send[0], send[1], send[2] = int(self.joined), listed, _HEAD + sum(len(e) for e in entries)
+        self.joined_posts += int(self.joined)
         self.bufs = (send, np.zeros(self.size * self.width, dtype=np.int64))
         self.request = self.rounds.Iallgather(send, self.bufs[1])
 
@@ -210,7 +211,6 @@ class Negotiator:
         lists = [_entries(row) for row in table]
         found = [dict(entries) for entries in lists]
         active = [r for r in range(self.size) if not joined[r]]
-        self.listed = {k: [r for r in range(self.size) if k in found[r]] for k in self.waiting}
         for key, _ in lists[active[0]]:
             if all(key in found[r] for r in active):
                 self._run(self.waiting.pop(key, None), [(r, *found[r][key]) for r in active], any(joined))
@@ -235,26 +235,9 @@ class Negotiator:
             self.zeros.append(moving)
 
     def stalled(self, op: Named) -> None:
-        """Horovod's stall check for a named operation not started: past the warning time one line naming the
-        workers that did not list it in the last round; past the end time the job ends."""
-        waited = time.monotonic() - op.since
-        warn, end = _stall.STALL.warn_s, _stall.STALL.end_s
-        if warn is not None and waited >= warn and not op.warned:
-            op.warned = True
-            say(self._report(op, waited))
-        if end is not None and waited >= end:
-            ending.end(1, self._report(op, waited) + "; ending the job", comm=self.comm)
-
-    def _report(self, op: Named, waited: float) -> str:
-        me = self.comm.Get_rank()
-        listed = self.listed.get(op.key)
-        if listed is None:
-            found = "no round has completed since it was called (some worker is not inside a collective)"
-        else:
-            missing = [r for r in range(self.size) if r not in listed]
-            found = "not called by " + ", ".join(f"worker {r}" for r in missing) if missing else "called by all"
-        what = f"{_KINDS.get(op.agreement.kind, op.agreement.what)} {op.agreement.name!r}"
-        return f"collsync: worker {me} has waited {waited:.0f} s in {what}: {found}"
+        """Horovod's stall check for a named operation not started (`_stall`): past the warning time one line
+        naming the workers that have not called it, past the end time the job ends."""
+        _stall.STALL.tick(self.side, 0, _KINDS.get(op.agreement.kind, op.agreement.what), op.since, op.agreement.name)
 
 
 def _entries(row: np.ndarray) -> list[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]]:
@@ -342,13 +325,13 @@ def join_collectives(comm: Any) -> int:
     _flush(comm)
     hcomm = _headers(comm)
     named = negotiator(comm)
-    named.joined, named.all_joined = True, False
+    named.joined, named.all_joined, named.joined_posts = True, False, 0
     width = _CHECKED + 2 * _SIGNATURE
-    last = comm.Get_rank()
+    last, rounds = comm.Get_rank(), 0
     while True:
         buf = np.full(width, _LOW, dtype=np.int64)
         buf[_ACTIVE], buf[_JOINED], buf[_LAST] = 0, 1, last
-        last = _LOW  # this worker's rank goes with its first round only
+        last, rounds = _LOW, rounds + 1  # this worker's rank goes with its first round only
         _wait(hcomm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX), named)
         if buf[_ACTIVE] == 0:
             break
@@ -361,7 +344,11 @@ def join_collectives(comm: Any) -> int:
     while not named.all_joined:  # the named rounds end too: every worker posts its last one
         _wait(None, named)
     named.joined = False
-    return int(buf[_LAST])
+    # The workers that joined last joined in the last round of both streams (headers and named rounds): the
+    # highest of them, agreed on by every worker (all are here); else the headers' answer alone.
+    latest = comm.Get_rank() if rounds == 1 and named.joined_posts == 1 else -1
+    agreed = int(hcomm.allreduce(latest, op=MPI.MAX))
+    return agreed if agreed >= 0 else int(buf[_LAST])
 
 
 def _wait(request: Any, named: Negotiator) -> None:
