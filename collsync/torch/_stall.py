@@ -7,12 +7,14 @@ naming them, instead of every worker waiting for ever.
 Horovod's coordinator knows which ranks submitted which tensors. collsync has no coordinator: each collective with an
 agreement header (`_ops_base._Agreement`: allreduce, allgather, broadcast, reducescatter and their grouped and async
 forms) is numbered on its communicator, and a worker that has waited that long for a header asks every other
-worker, on a communicator of its own beside the headers', how many collectives it has called there. A worker
+worker, on a communicator of its own beside the headers', how many collectives it has called there (and, for a
+named operation, which are met by name (`_names`), whether the name waits there too). A worker
 answers from any wait inside a collective (`tick`, between two tests of its request); one that answers nothing is
 not inside a collective (computing, or stopped). What the warning says, one line per stall:
 
     collsync: worker 0 has waited 60 s in allreduce (collective #7 here): not called by worker 1 (its last: #6
     allgather); worker 2 answers nothing (not inside a collective)
+    collsync: worker 0 has waited 60 s in allreduce 'loss': not called by worker 1 (its last: #6 allgather)
 """
 
 from __future__ import annotations
