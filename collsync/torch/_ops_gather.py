@@ -82,7 +82,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     `HorovodAllgather`: the gradient is the average of the output's gradients over the workers, sliced to this
     worker's rows)."""
     _check(tensor, "allgather")  # before autograd's Function, which would fail on tensor.dim()
-    return _AllgatherFn.apply(process_set, tensor)[0]
+    return _AllgatherFn.apply(process_set, name, tensor)[0]
 
 
 def grouped_allgather_async(
@@ -99,7 +99,7 @@ def grouped_allgather(
 ) -> list[torch.Tensor]:
     """`allgather` of each tensor, as one operation (Horovod's `grouped_allgather`, autograd included)."""
     tensors = _inputs.tensors(tensors, "grouped_allgather")
-    return list(_AllgatherFn.apply(process_set, *tensors))
+    return list(_AllgatherFn.apply(process_set, name, *tensors))
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -107,10 +107,10 @@ class _AllgatherFn(torch.autograd.Function):
     the workers of its output's gradient, narrowed to this worker's rows (an average, as Horovod has it)."""
 
     @staticmethod
-    def forward(ctx: Any, process_set: Any, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, process_set: Any, name: str | None, *tensors: torch.Tensor) -> Any:
         ctx.process_set = process_set
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
-        return tuple(synchronize(grouped_allgather_async(list(tensors), process_set=process_set)))
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -122,7 +122,7 @@ class _AllgatherFn(torch.autograd.Function):
         for i, g in enumerate(reduced):
             offset = sum(r[i] for r in rows[:me])
             out.append(g.narrow(0, offset, ctx.rows[i]))
-        return (None, *out)
+        return (None, None, *out)
 
 
 def broadcast_async_(
@@ -171,21 +171,21 @@ def broadcast(
     """`tensor` of worker `root_rank`, as a new tensor on every worker (autograd passes through, as in Horovod's
     `HorovodBroadcast`: the root's gradient is the average of the workers' gradients, the others' zero)."""
     _check(tensor, "broadcast")  # before autograd's Function, which would fail on tensor.detach()
-    return _BroadcastFn.apply(tensor, root_rank, process_set)
+    return _BroadcastFn.apply(tensor, root_rank, process_set, name)
 
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, process_set: Any) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, process_set: Any, name: str | None) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return synchronize(broadcast_async(tensor, root_rank, None, process_set))
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
         if state("broadcast").comm.Get_rank() != ctx.root_rank:
             reduced = reduced * 0
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast_object(

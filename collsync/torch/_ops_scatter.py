@@ -225,7 +225,7 @@ def reducescatter(
     dtype and shape. Autograd passes through with Horovod's gradient (`HorovodReducescatter`): the allgather of the
     output gradients, times the set's size for Sum, times both scale factors."""
     wire, cctx = compression.compress(tensor)
-    out = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, wire)[0]
+    out = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, name, wire)[0]
     return compression.decompress(out, cctx)
 
 
@@ -241,16 +241,19 @@ def grouped_reducescatter(
     """`reducescatter` of each tensor, as one operation (Horovod's `grouped_reducescatter`, autograd included)."""
     tensors = _inputs.tensors(tensors, "grouped_reducescatter")
     pairs = [compression.compress(t) for t in tensors]
-    outs = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, *[p[0] for p in pairs])
+    outs = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, name, *[p[0] for p in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
 
 
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, op: int, process_set: Any, pre: float, post: float, *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, op: int, process_set: Any, pre: float, post: float, name: str | None, *tensors: torch.Tensor
+    ) -> Any:
         op = _op(op, None, "reducescatter")
         ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
-        handle = _reducescatter_start(list(tensors), op, process_set, pre, post, "reducescatter")
+        _unnamed(name, "reducescatter")
+        handle = _reducescatter_start(list(tensors), op, process_set, pre, post, "reducescatter", name)
         return tuple(handle.wait())
 
     @staticmethod
@@ -260,4 +263,4 @@ class _ReducescatterFn(torch.autograd.Function):
             comm, _ = _comm(ctx.process_set, "reducescatter")
             factor *= comm.Get_size()
         scaled = [g * factor if factor != 1.0 else g for g in grads]
-        return (None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))
+        return (None, None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))

@@ -81,6 +81,30 @@ def test_named_operations_called_in_different_orders_meet_by_name():
     assert hvd.synchronize(handles["by.scatter"]).tolist() == [[float(n)] * 2]
 
 
+def test_a_blocking_named_operation_meets_another_workers_asynchronous_one_by_name():
+    """The blocking forms take the name too: odd workers start an allgather and block in a broadcast, even workers
+    start the broadcast and block in the allgather (in calling order these would pair an allgather with a broadcast);
+    then a named reducescatter and allreduce, blocking on one side and asynchronous on the other."""
+    n, r = hvd.size(), hvd.rank()
+    mine = torch.full((r + 1,), float(r))
+    if r % 2:
+        handle = hvd.allgather_async(mine, name="block.gather")
+        cast = hvd.broadcast(torch.full((2,), float(r)), 0, name="block.cast")
+        gathered = hvd.synchronize(handle)
+        scattered = hvd.synchronize(hvd.reducescatter_async(torch.ones(n, 2), name="block.scatter", op=hvd.Sum))
+        summed = hvd.allreduce(torch.ones(2), name="block.sum", op=hvd.Sum)
+    else:
+        handle = hvd.broadcast_async(torch.full((2,), float(r)), 0, name="block.cast")
+        gathered = hvd.allgather(mine, name="block.gather")
+        cast = hvd.synchronize(handle)
+        handle = hvd.allreduce_async(torch.ones(2), name="block.sum", op=hvd.Sum)
+        scattered = hvd.reducescatter(torch.ones(n, 2), name="block.scatter", op=hvd.Sum)
+        summed = hvd.synchronize(handle)
+    assert gathered.tolist() == [float(w) for w in range(n) for _ in range(w + 1)]
+    assert cast.tolist() == [0.0, 0.0]
+    assert scattered.tolist() == [[float(n)] * 2] and summed.tolist() == [float(n)] * 2
+
+
 def test_a_worker_may_complete_one_name_before_it_calls_the_next():
     """Worker 0 starts 'x' then 'y' and waits for 'x'; the others start 'y', wait for it, and only then start 'x'
     (an order that works under Horovod's coordinator: 'y' is ready first). More names than a round holds are in
