@@ -33,7 +33,8 @@ from collsync.runtime.mpi_world import host_of
 from collsync.say import say
 from collsync.torch import _mode, _ulfm, _world, ops, sampler
 from collsync.torch._mode import Mode
-from collsync.torch._ops_base import HorovodInternalError, forget
+from collsync.torch._names import forget
+from collsync.torch._ops_base import HorovodInternalError
 from collsync.torch._ops_reduce import _allreduce_start
 from collsync.torch._world import World
 

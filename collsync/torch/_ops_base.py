@@ -160,26 +160,15 @@ class _Agreement:
         self.buf = np.array([1, 0, _LOW, int(blocking), *sig, *(-v for v in sig)], dtype=np.int64)
         self.hcomm = _headers(comm)
         self.side = _HEADERS[id(comm)][2]
-        self.seq = _stall.header_number(self.side, what)  # its number on `comm`, which the stall check asks for
+        # Its number on `comm`, which the stall check asks for (named operations are the negotiator's: `_names`).
+        self.seq = _stall.header_number(self.side, what) if name is None else 0
         self.since = time.monotonic()
         self.request: Any = None
         self.error: HorovodInternalError | None = None
 
     def fields(self) -> tuple[tuple[str, Any], ...]:
         """The header's fields as an error names them (built only where the workers disagree)."""
-        types = tuple(str(d).replace("torch.", "") for d in self.dtypes)
-        one = len(self.dtypes) == 1  # a single tensor's type and shape are shown as such, not as a group's
-        return (
-            ("operation", self.what),
-            ("number of tensors", len(self.dtypes)),
-            ("type" if one else "types", types[0] if one else types),
-            ("shape" if one else "shapes", list(self.shapes[0]) if one else [list(s) for s in self.shapes]),
-            ("op", _OP_NAMES.get(self.op, self.op)),
-            ("prescale factor", self.pre),
-            ("postscale factor", self.post),
-            ("root rank", self.root),
-            ("name", self.name),
-        )
+        return fields(self.what, self.dtypes, self.shapes, self.op, self.pre, self.post, self.root, self.name)
 
     def start(self) -> _Agreement:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
@@ -213,55 +202,41 @@ class _Agreement:
                 )
             self.comm.allgather((self.dtypes, self.shapes, self.op))  # what the joined workers contribute zeros to
             return
-        if not _disagree(buf):
-            return
-        mine = self.fields()
-        sent = list(enumerate(self.comm.allgather(mine)))
-        for i, (field, _) in enumerate(mine):
-            by_value: dict[str, list[int]] = {}
-            for rank, fields in sent:
-                by_value.setdefault(repr(fields[i][1]), []).append(rank)
-            if len(by_value) > 1:
-                said = "; ".join(f"{_ranks(ranks)} sent {value}" for value, ranks in by_value.items())
-                raise HorovodInternalError(f"{self.what}: mismatched tensor {field} across the workers: {said}")
-        raise HorovodInternalError(f"{self.what}: the workers' headers differ, their tensors do not: {sent}")
+        if _disagree(buf):
+            raise explain(self.what, list(enumerate(self.comm.allgather(self.fields()))))
 
 
-def join_collectives(comm: Any) -> int:
-    """Horovod's `join()` without an optimizer: this worker has no more data. Until every worker has joined it
-    answers every agreement header of the others: an allreduce gets zeros of the others' types and shapes (so an
-    Average is the sum over the active workers divided by all of them, as in Horovod), an allgather or broadcast
-    is refused on the others (`_Agreement.verify`). Returns the rank that joined last (the highest of those that
-    joined in the last round), the same on every worker. Collectives without a header (alltoall, reducescatter,
-    barrier, the object operations) are not answered: the others would wait for this worker."""
-    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+def fields(
+    what: str, dtypes: Any, shapes: Any, op: int, pre: float, post: float, root: int, name: str | None
+) -> tuple[tuple[str, Any], ...]:
+    """An operation's checked fields as an error names them."""
+    types = tuple(str(d).replace("torch.", "") for d in dtypes)
+    one = len(dtypes) == 1  # a single tensor's type and shape are shown as such, not as a group's
+    return (
+        ("operation", what),
+        ("number of tensors", len(dtypes)),
+        ("type" if one else "types", types[0] if one else types),
+        ("shape" if one else "shapes", list(shapes[0]) if one else [list(s) for s in shapes]),
+        ("op", _OP_NAMES.get(op, op)),
+        ("prescale factor", pre),
+        ("postscale factor", post),
+        ("root rank", root),
+        ("name", name),
+    )
 
-    _flush(comm)
-    hcomm = _headers(comm)
-    width = _CHECKED + 2 * _SIGNATURE
-    last = comm.Get_rank()
-    while True:
-        buf = np.full(width, _LOW, dtype=np.int64)
-        buf[_ACTIVE], buf[_JOINED], buf[_LAST] = 0, 1, last
-        last = _LOW  # this worker's rank goes with its first round only
-        _spin(hcomm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX))
-        if buf[_ACTIVE] == 0:
-            return int(buf[_LAST])
-        if buf[_CHECKED] != ALLREDUCE or _disagree(buf):
-            continue  # refused on the active workers: no data moves
-        dtypes, shapes, op = next(e for e in comm.allgather(None) if e is not None)
-        requests, held = [], []  # the zeros stay referenced until their reductions complete
-        for dtype, shape in zip(dtypes, shapes, strict=True):
-            zeros = torch.zeros(shape, dtype=dtype)
-            message = [words(zeros), _mpi_type(dtype, "join")]
-            held.append(zeros)
-            if buf[_BLOCKING]:
-                comm.Allreduce(MPI.IN_PLACE, message, op=_reduce_op(dtype, op))
-            else:
-                requests.append(comm.Iallreduce(MPI.IN_PLACE, message, op=_reduce_op(dtype, op)))
-        for request in requests:
-            _spin(request)
-        held.clear()
+
+def explain(what: str, sent: list[tuple[int, Any]]) -> HorovodInternalError:
+    """The error every worker raises where the workers' fields of one operation differ: `sent` is each worker's
+    rank and fields (`_Agreement.fields`), the same on every worker; the first field that differs is named with the
+    workers that sent each value."""
+    for i, (field, _) in enumerate(sent[0][1]):
+        by_value: dict[str, list[int]] = {}
+        for rank, fields in sent:
+            by_value.setdefault(repr(fields[i][1]), []).append(rank)
+        if len(by_value) > 1:
+            said = "; ".join(f"{_ranks(ranks)} sent {value}" for value, ranks in by_value.items())
+            return HorovodInternalError(f"{what}: mismatched tensor {field} across the workers: {said}")
+    return HorovodInternalError(f"{what}: the workers' headers differ, their tensors do not: {sent}")
 
 
 def _disagree(buf: np.ndarray) -> bool:
@@ -287,19 +262,27 @@ def _ranks(ranks: list[int]) -> str:
 
 
 # Per data communicator: its headers' communicator (a duplicate, made at its first header), the stall check's, the
-# barrier's, and the operations whose header is posted and whose data is not yet: their data starts in the order
-# they were called, on every worker.
-_HEADERS: dict[int, tuple[Any, Any, _stall.Side, Any]] = {}
+# barrier's, the named operations' rounds and data (`_names`), and the operations whose header is posted and whose
+# data is not yet: their data starts in the order they were called, on every worker.
+_HEADERS: dict[int, tuple[Any, Any, _stall.Side, Any, Any, Any]] = {}
 _PENDING: dict[int, deque[_AfterAgreement]] = {}
 
 
 def _headers(comm: Any) -> Any:
     """The communicator `comm`'s agreement headers travel on (`MPI_Comm_dup`, collective: every worker makes it at
-    the same call, its first header, `join` or `barrier`), made with the stall check's (`_stall.Side`) and the
-    barrier's (`barrier_comm`). The entry holds `comm` itself, so its id stays its own."""
+    the same call, its first header, named operation, `join` or `barrier`), made with the stall check's
+    (`_stall.Side`), the barrier's (`barrier_comm`) and the named operations' two (`_names.Negotiator`). The entry
+    holds `comm` itself, so its id stays its own."""
     entry = _HEADERS.get(id(comm))
     if entry is None or entry[0] is not comm:
-        entry = _HEADERS[id(comm)] = (comm, comm.Dup(), _stall.STALL.side(comm.Dup()), comm.Dup())
+        entry = _HEADERS[id(comm)] = (
+            comm,
+            comm.Dup(),
+            _stall.STALL.side(comm.Dup()),
+            comm.Dup(),
+            comm.Dup(),
+            comm.Dup(),
+        )
     return entry[1]
 
 
@@ -358,7 +341,7 @@ class _AfterAgreement:
     its request): the data moves only once every worker is known to send the same shape and type, and in the order
     the operations were called (`_flush`)."""
 
-    def __init__(self, agreement: _Agreement, start: Callable[[], Any]) -> None:
+    def __init__(self, agreement: _Agreement, start: Callable[[Any], Any]) -> None:
         self.agreement, self.start, self.request, self.begun = agreement, start, None, False
         agreement.start()
         _PENDING.setdefault(id(agreement.comm), deque()).append(self)
@@ -374,7 +357,7 @@ class _AfterAgreement:
         except HorovodInternalError as exc:
             self.agreement.error = exc
             return
-        self.request = self.start()
+        self.request = self.start(self.agreement.comm)
 
     def header(self) -> _Agreement | None:
         """The agreement this operation still waits for (None once its data started): what a wait on it is, for

@@ -12,11 +12,11 @@ import torch
 
 from collsync.runtime.mpi_coll import shutdown
 from collsync.torch import _inputs, _stall
+from collsync.torch._names import after, join_collectives, progress
 from collsync.torch._ops_base import (
     ALLGATHER,
     BROADCAST,
     Average,
-    _AfterAgreement,
     _Agreement,
     _check,
     _comm,
@@ -27,8 +27,6 @@ from collsync.torch._ops_base import (
     _unnamed,
     barrier_comm,
     global_process_set,
-    join_collectives,
-    progress,
     synchronize,
     words,
 )
@@ -49,8 +47,9 @@ def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str, name
     srcs = [s.reshape(1) if s.dim() == 0 else s for s in srcs]
     outs: list[torch.Tensor] = []
 
-    def start() -> Any:
-        rows = comm.allgather(tuple(s.shape[0] for s in srcs))
+    def start(comm: Any, rows: Any = None) -> Any:
+        # A named allgather's first dimensions came with its round (`_names`); else they are gathered here.
+        rows = comm.allgather(tuple(s.shape[0] for s in srcs)) if rows is None else rows
         requests = []
         for i, src in enumerate(srcs):
             counts = [r[i] for r in rows]
@@ -63,10 +62,10 @@ def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str, name
         return _Requests(requests)
 
     if comm.Get_size() == 1:
-        return _Handle(start(), lambda: outs)
+        return _Handle(start(comm), lambda: outs)
     # Refused while a worker has joined, as in Horovod (the header carries the join).
     agreement = _Agreement(comm, [s[:0] for s in srcs], Average, 1.0, 1.0, what, kind=ALLGATHER, name=name)
-    return _Handle(_AfterAgreement(agreement, start), lambda: outs)
+    return _Handle(after(agreement, start, tuple(s.shape[0] for s in srcs)), lambda: outs)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> int:
@@ -83,7 +82,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     `HorovodAllgather`: the gradient is the average of the output's gradients over the workers, sliced to this
     worker's rows)."""
     _check(tensor, "allgather")  # before autograd's Function, which would fail on tensor.dim()
-    return _AllgatherFn.apply(process_set, tensor)[0]
+    return _AllgatherFn.apply(process_set, name, tensor)[0]
 
 
 def grouped_allgather_async(
@@ -100,7 +99,7 @@ def grouped_allgather(
 ) -> list[torch.Tensor]:
     """`allgather` of each tensor, as one operation (Horovod's `grouped_allgather`, autograd included)."""
     tensors = _inputs.tensors(tensors, "grouped_allgather")
-    return list(_AllgatherFn.apply(process_set, *tensors))
+    return list(_AllgatherFn.apply(process_set, name, *tensors))
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -108,10 +107,10 @@ class _AllgatherFn(torch.autograd.Function):
     the workers of its output's gradient, narrowed to this worker's rows (an average, as Horovod has it)."""
 
     @staticmethod
-    def forward(ctx: Any, process_set: Any, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, process_set: Any, name: str | None, *tensors: torch.Tensor) -> Any:
         ctx.process_set = process_set
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
-        return tuple(synchronize(grouped_allgather_async(list(tensors), process_set=process_set)))
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -123,7 +122,7 @@ class _AllgatherFn(torch.autograd.Function):
         for i, g in enumerate(reduced):
             offset = sum(r[i] for r in rows[:me])
             out.append(g.narrow(0, offset, ctx.rows[i]))
-        return (None, *out)
+        return (None, None, *out)
 
 
 def broadcast_async_(
@@ -138,7 +137,7 @@ def broadcast_async_(
     root = set_root(root_rank, ranks, comm.Get_size(), "broadcast")
     buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
 
-    def start() -> Any:
+    def start(comm: Any) -> Any:
         return comm.Ibcast([words(buf), _mpi_type(buf.dtype, "broadcast")], root=root)
 
     def finish() -> torch.Tensor:
@@ -148,9 +147,9 @@ def broadcast_async_(
         return tensor
 
     if comm.Get_size() == 1:
-        return _register(_Handle(start(), finish), name)
+        return _register(_Handle(start(comm), finish), name)
     agreement = _Agreement(comm, [tensor], Average, 1.0, 1.0, "broadcast", kind=BROADCAST, root=root_rank, name=name)
-    return _register(_Handle(_AfterAgreement(agreement, start), finish), name)
+    return _register(_Handle(after(agreement, start), finish), name)
 
 
 def broadcast_async(
@@ -172,21 +171,21 @@ def broadcast(
     """`tensor` of worker `root_rank`, as a new tensor on every worker (autograd passes through, as in Horovod's
     `HorovodBroadcast`: the root's gradient is the average of the workers' gradients, the others' zero)."""
     _check(tensor, "broadcast")  # before autograd's Function, which would fail on tensor.detach()
-    return _BroadcastFn.apply(tensor, root_rank, process_set)
+    return _BroadcastFn.apply(tensor, root_rank, process_set, name)
 
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, process_set: Any) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, process_set: Any, name: str | None) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return synchronize(broadcast_async(tensor, root_rank, None, process_set))
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
         if state("broadcast").comm.Get_rank() != ctx.root_rank:
             reduced = reduced * 0
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast_object(
@@ -276,7 +275,7 @@ def join(device: int = -1) -> int:
     """Horovod's join: this worker has no more batches. With a collsync optimizer, see `DistributedOptimizer.join`
     for what each mode does; without one, this worker contributes zeros to the other workers' allreduces until
     every worker has joined, and their allgathers and broadcasts meanwhile raise HorovodInternalError, as in
-    Horovod (`_ops_base.join_collectives`). Returns the rank that joined last, the same on every worker."""
+    Horovod (`_names.join_collectives`). Returns the rank that joined last, the same on every worker."""
     st = state("join")
     optimizer = None if st.joiner is None else st.joiner()
     if optimizer is not None:

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from collsync.torch import _inputs
+from collsync.torch._names import after
 from collsync.torch._ops_base import (
     Average,
     Compression,
-    _AfterAgreement,
     _Agreement,
     _check,
     _flush,
@@ -75,13 +75,13 @@ def _allreduce_many(
 
     st = state(what)
     comm, _ = set_comm(process_set, what)
-    blocking = blocking and not st.oversubscribed
+    blocking = blocking and not st.oversubscribed and name is None  # a named one waits for its name (`_names`)
     for tensor in tensors:
         _check(tensor, what)
     post = postscale / comm.Get_size() if op == Average else postscale
     bufs: list[torch.Tensor] = []
 
-    def start() -> Any:
+    def start(comm: Any) -> Any:
         requests = []
         for tensor, output in zip(tensors, outputs, strict=True):
             if output is not tensor:
@@ -107,13 +107,13 @@ def _allreduce_many(
 
     if not check or comm.Get_size() == 1:
         _flush(comm)
-        return _Handle(start(), finish)
+        return _Handle(start(comm), finish)
     agreement = _Agreement(comm, tensors, op, prescale, postscale, what, blocking=blocking, name=name)
     if blocking:
         _flush(comm)
         agreement.now()
-        return _Handle(start(), finish)
-    return _Handle(_AfterAgreement(agreement, start), finish)
+        return _Handle(start(comm), finish)
+    return _Handle(after(agreement, start), finish)
 
 
 def allreduce_async_(
@@ -169,7 +169,10 @@ def allreduce_(
 ) -> torch.Tensor:
     """In-place allreduce: `tensor` becomes the Average (default) or Sum over the workers."""
     op = _op(op, average, "allreduce_")
-    handle = _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_", True, process_set)
+    _unnamed(name, "allreduce_")
+    handle = _allreduce_start(
+        tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_", True, process_set, name=name
+    )
     return handle.wait()
 
 
@@ -188,7 +191,8 @@ def allreduce(
     op = _op(op, average, "allreduce")
     _check(tensor, "allreduce")  # before autograd's Function, which would fail on tensor.detach()
     _inputs.compression(compression, "allreduce")
-    return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set)
+    _unnamed(name, "allreduce")
+    return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set, name)
 
 
 class _AllreduceFn(torch.autograd.Function):
@@ -196,12 +200,19 @@ class _AllreduceFn(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, tensor: torch.Tensor, op: int, pre: float, post: float, compression: Any, process_set: Any
+        ctx: Any,
+        tensor: torch.Tensor,
+        op: int,
+        pre: float,
+        post: float,
+        compression: Any,
+        process_set: Any,
+        name: str | None = None,
     ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
         compressed, cctx = compression.compress(tensor.detach())
         out = torch.empty_like(compressed, memory_format=torch.contiguous_format)
-        result = _allreduce_start(compressed, out, op, pre, post, "allreduce", True, process_set).wait()
+        result = _allreduce_start(compressed, out, op, pre, post, "allreduce", True, process_set, name=name).wait()
         return compression.decompress(result, cctx)
 
     @staticmethod
@@ -209,7 +220,7 @@ class _AllreduceFn(torch.autograd.Function):
         out = allreduce(
             grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.process_set
         )
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def grouped_allreduce_async_(

@@ -17,13 +17,13 @@ import numpy as np
 import torch
 
 from collsync.torch import _inputs
+from collsync.torch._names import after
 from collsync.torch._ops_base import (
     REDUCESCATTER,
     Adasum,
     Average,
     Compression,
     Sum,
-    _AfterAgreement,
     _agree,
     _Agreement,
     _check,
@@ -154,7 +154,7 @@ def _reducescatter_start(
     scaled = post / size if op == Average else post
     outs: list[tuple[torch.Tensor, torch.Tensor]] = []  # each input's copy is kept until its request completes
 
-    def start() -> Any:
+    def start(comm: Any) -> Any:
         requests = []
         for t in tensors:
             buf = t.detach().clone(memory_format=torch.contiguous_format)
@@ -172,9 +172,9 @@ def _reducescatter_start(
         return [scale_(out, scaled) for _, out in outs]
 
     if size == 1:
-        return _Handle(start(), finish)
+        return _Handle(start(comm), finish)
     agreement = _Agreement(comm, tensors, op, pre, post, what, kind=REDUCESCATTER, name=name)
-    return _Handle(_AfterAgreement(agreement, start), finish)
+    return _Handle(after(agreement, start), finish)
 
 
 def reducescatter_async(
@@ -225,7 +225,7 @@ def reducescatter(
     dtype and shape. Autograd passes through with Horovod's gradient (`HorovodReducescatter`): the allgather of the
     output gradients, times the set's size for Sum, times both scale factors."""
     wire, cctx = compression.compress(tensor)
-    out = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, wire)[0]
+    out = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, name, wire)[0]
     return compression.decompress(out, cctx)
 
 
@@ -241,16 +241,19 @@ def grouped_reducescatter(
     """`reducescatter` of each tensor, as one operation (Horovod's `grouped_reducescatter`, autograd included)."""
     tensors = _inputs.tensors(tensors, "grouped_reducescatter")
     pairs = [compression.compress(t) for t in tensors]
-    outs = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, *[p[0] for p in pairs])
+    outs = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, name, *[p[0] for p in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
 
 
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, op: int, process_set: Any, pre: float, post: float, *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, op: int, process_set: Any, pre: float, post: float, name: str | None, *tensors: torch.Tensor
+    ) -> Any:
         op = _op(op, None, "reducescatter")
         ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
-        handle = _reducescatter_start(list(tensors), op, process_set, pre, post, "reducescatter")
+        _unnamed(name, "reducescatter")
+        handle = _reducescatter_start(list(tensors), op, process_set, pre, post, "reducescatter", name)
         return tuple(handle.wait())
 
     @staticmethod
@@ -260,4 +263,4 @@ class _ReducescatterFn(torch.autograd.Function):
             comm, _ = _comm(ctx.process_set, "reducescatter")
             factor *= comm.Get_size()
         scaled = [g * factor if factor != 1.0 else g for g in grads]
-        return (None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))
+        return (None, None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))

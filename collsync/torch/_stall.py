@@ -7,18 +7,21 @@ naming them, instead of every worker waiting for ever.
 Horovod's coordinator knows which ranks submitted which tensors. collsync has no coordinator: each collective with an
 agreement header (`_ops_base._Agreement`: allreduce, allgather, broadcast, reducescatter and their grouped and async
 forms) is numbered on its communicator, and a worker that has waited that long for a header asks every other
-worker, on a communicator of its own beside the headers', how many collectives it has called there. A worker
+worker, on a communicator of its own beside the headers', how many collectives it has called there (and, for a
+named operation, which are met by name (`_names`), whether the name waits there too). A worker
 answers from any wait inside a collective (`tick`, between two tests of its request); one that answers nothing is
 not inside a collective (computing, or stopped). What the warning says, one line per stall:
 
     collsync: worker 0 has waited 60 s in allreduce (collective #7 here): not called by worker 1 (its last: #6
     allgather); worker 2 answers nothing (not inside a collective)
+    collsync: worker 0 has waited 60 s in allreduce 'loss': not called by worker 1 (its last: #6 allgather)
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +52,7 @@ class Side:
     called: int = 0  # collectives with a header called on the data communicator
     last: str = ""  # the last one's name
     sends: list[Any] = field(default_factory=list)
+    named: Callable[[], list[str]] = list  # the names of this worker's named operations not yet started (`_names`)
 
 
 class StallCheck:
@@ -57,10 +61,11 @@ class StallCheck:
     def __init__(self, deadline: float | None) -> None:
         self.configure(deadline)
         self.sides: list[Side] = []
+        self.hooks: list[Callable[[], None]] = []  # what every wait moves on too (`_names.progress_all`)
         self._next_look = 0.0
         self._asked: dict[int, float] = {}  # id(side) -> when this worker asked (one question per stall)
-        self._answers: dict[int, dict[int, tuple[int, str]]] = {}
-        self._warned: set[tuple[int, int]] = set()
+        self._answers: dict[int, dict[int, tuple[int, str, list[str]]]] = {}
+        self._warned: set[tuple[int, int, str | None]] = set()
 
     def configure(self, deadline: float | None) -> None:
         """The environment's stall times (read now) and the world's deadline, the end where no shutdown time is set."""
@@ -73,9 +78,14 @@ class StallCheck:
         self.sides.append(made)
         return made
 
-    def tick(self, side: Side | None = None, seq: int = 0, what: str = "", since: float = 0.0) -> None:
-        """Answer the other workers' questions; where this worker waits for header `seq` on `side` (since
-        `since`), ask once past the warning time, say what the answers show, and end the job past the end time."""
+    def tick(
+        self, side: Side | None = None, seq: int = 0, what: str = "", since: float = 0.0, name: str | None = None
+    ) -> None:
+        """Answer the other workers' questions; where this worker waits for header `seq` on `side` (or for the
+        named operation `name`) since `since`, ask once past the warning time, say what the answers show, and end
+        the job past the end time."""
+        for hook in self.hooks:
+            hook()
         now = time.monotonic()
         if now < self._next_look:
             return
@@ -88,16 +98,17 @@ class StallCheck:
         due = [t for t in (self.warn_s, self.end_s) if t is not None]
         if due and waited >= min(due) - _ANSWER_S:
             self._ask(side, now)
-        if self.warn_s is not None and waited >= self.warn_s and (id(side), seq) not in self._warned:
-            self._warned.add((id(side), seq))
-            say(self._report(side, seq, what, waited))
+        if self.warn_s is not None and waited >= self.warn_s and (id(side), seq, name) not in self._warned:
+            self._warned.add((id(side), seq, name))
+            say(self._report(side, seq, what, waited, name))
         if self.end_s is not None and waited >= self.end_s:
             # The lowest worker waiting here ends the job; the others give its abort a moment to come first (two
             # aborts at once leave the launcher's status to chance).
             answers = self._answers.get(id(side), {})
-            waiting = [w for w, (called, _) in answers.items() if called >= seq] + [side.comm.Get_rank()]
+            waiting = [w for w, answer in answers.items() if _called(answer, seq, name)] + [side.comm.Get_rank()]
             defer = 0.0 if side.comm.Get_rank() == min(waiting) else 2.0
-            ending.end(1, self._report(side, seq, what, waited) + "; ending the job", comm=side.comm, defer=defer)
+            line = self._report(side, seq, what, waited, name) + "; ending the job"
+            ending.end(1, line, comm=side.comm, defer=defer)
 
     def _answer(self) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
@@ -107,7 +118,7 @@ class StallCheck:
             while side.comm.Iprobe(source=MPI.ANY_SOURCE, tag=QUERY, status=status):
                 asker = status.Get_source()
                 side.comm.recv(source=asker, tag=QUERY)
-                side.sends.append(side.comm.isend((side.called, side.last), dest=asker, tag=ANSWER))
+                side.sends.append(side.comm.isend((side.called, side.last, side.named()), dest=asker, tag=ANSWER))
             while side.comm.Iprobe(source=MPI.ANY_SOURCE, tag=ANSWER, status=status):
                 self._answers.setdefault(id(side), {})[status.Get_source()] = side.comm.recv(
                     source=status.Get_source(), tag=ANSWER
@@ -123,7 +134,7 @@ class StallCheck:
             if other != rank:
                 side.sends.append(side.comm.isend(None, dest=other, tag=QUERY))
 
-    def _report(self, side: Side, seq: int, what: str, waited: float) -> str:
+    def _report(self, side: Side, seq: int, what: str, waited: float, name: str | None = None) -> str:
         comm = side.comm
         answers = self._answers.get(id(side), {})
         behind, silent = [], []
@@ -132,8 +143,8 @@ class StallCheck:
                 continue
             if other not in answers:
                 silent.append(other)
-            elif answers[other][0] < seq:
-                called, last = answers[other]
+            elif not _called(answers[other], seq, name):
+                called, last, _ = answers[other]
                 behind.append(f"worker {other} (its last: #{called} {last})" if called else f"worker {other}")
         parts = []
         if behind:
@@ -142,9 +153,14 @@ class StallCheck:
             names = ", ".join(f"worker {w}" for w in silent)
             parts.append(f"{names} {'answers' if len(silent) == 1 else 'answer'} nothing (not inside a collective)")
         found = "; ".join(parts) or "every worker has called it (its data is still moving)"
-        return (
-            f"collsync: worker {comm.Get_rank()} has waited {waited:.0f} s in {what} (collective #{seq} here): {found}"
-        )
+        here = f"(collective #{seq} here)" if name is None else repr(name)
+        return f"collsync: worker {comm.Get_rank()} has waited {waited:.0f} s in {what} {here}: {found}"
+
+
+def _called(answer: tuple[int, str, list[str]], seq: int, name: str | None) -> bool:
+    """Whether a worker's answer shows it has called the collective: its header count reached `seq`, or, for a
+    named one, the name waits there too."""
+    return answer[0] >= seq if name is None else name in answer[2]
 
 
 def header_number(side: Side, what: str) -> int:

@@ -24,13 +24,15 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "torch_stall.py"
 ENDED = (1, 9)
 
 
-def _run(missing: str, warn: float | None, end: float) -> tuple[subprocess.CompletedProcess, float]:
+def _run(
+    missing: str, warn: float | None, end: float, named: bool = False
+) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(end)}
     env.pop("HOROVOD_STALL_CHECK_TIME_SECONDS", None)
     if warn is not None:
         env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(warn)
     started = time.monotonic()
-    args = [str(MPIEXEC), "-n", "3", sys.executable, str(SCRIPT), missing]
+    args = [str(MPIEXEC), "-n", "3", sys.executable, str(SCRIPT), missing, "named" if named else "unnamed"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=end + 90, env=env)
     return proc, time.monotonic() - started
 
@@ -41,21 +43,23 @@ def _lines(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("missing", "says"),
+    ("missing", "named", "waits", "says"),
     [
-        ("silent", "worker 1 answers nothing (not inside a collective)"),
-        ("elsewhere", "not called by worker 1 (its last: #2 "),
+        ("silent", False, "in allreduce (collective #3 here): ", "worker 1 answers nothing (not inside a collective)"),
+        ("elsewhere", True, "in allreduce 'third': ", "not called by worker 1 (its last: #2 "),
     ],
 )
-def test_a_collective_one_worker_never_calls_is_named_then_ends_the_job(missing, says):
-    proc, took = _run(missing, warn=3, end=8)
+def test_a_collective_one_worker_never_calls_is_named_then_ends_the_job(missing, named, waits, says):
+    """The allreduce worker 1 skips is unnamed (its header is #3) where worker 1 computes, and named (met by name:
+    worker 1 does not list it) where worker 1 waits in a barrier."""
+    proc, took = _run(missing, warn=3, end=8, named=named)
     assert proc.returncode in ENDED, proc.stderr[-3000:]
     lines = _lines(proc)
     warned = [x for x in lines if "ending the job" not in x]
     ended = [x for x in lines if "ending the job" in x]
     # Workers 0 and 2 each: once at the warning, once at the end; never worker 1, which went on.
     assert {x.split()[2] for x in warned} == {"0", "2"} and ended, proc.stderr[-3000:]
-    assert all("in allreduce (collective #3 here): " in x and says in x for x in lines), lines
+    assert all(waits in x and says in x for x in lines), lines
     assert "went past the stall" not in proc.stdout
     assert took < 8 + 60, took  # ended by the stall check, not by the guard
 

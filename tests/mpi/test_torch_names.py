@@ -1,6 +1,6 @@
 """collsync.torch's named operations and sparse gradients, at any world size: an operation in flight does not hold
-up `barrier()`, a name is free once its operation completed, named operations called in different orders are told
-apart, and a sparse embedding trains without `sparse_as_dense` as it trains with it (Horovod's semantics for each)."""
+up `barrier()`, a name is free once its operation completed, named operations called in different orders meet
+by name, and a sparse embedding trains without `sparse_as_dense` as it trains with it (Horovod's semantics for each)."""
 
 from __future__ import annotations
 
@@ -58,22 +58,121 @@ def test_a_name_is_free_once_its_operation_completed_synchronized_or_not():
     assert hvd.synchronize(first).tolist() == [float(n)] * 2
 
 
-def test_named_operations_called_in_different_orders_are_refused_not_swapped():
-    """Headers are matched in calling order: two named allreduces of the same shape called in the other order on
-    one worker raise HorovodInternalError naming both names on every worker, rather than summing one worker's 'a'
-    with another's 'b'. The workers are still in step afterwards."""
-    if hvd.size() == 1:
-        pytest.skip("an order needs two workers to differ")
+def test_named_operations_called_in_different_orders_meet_by_name():
+    """Horovod matches named operations by name: here the odd workers call them in another order and synchronize
+    them in a third, and each name still sums its own tensors (allreduce, allgather, broadcast, reducescatter)."""
     n, r = hvd.size(), hvd.rank()
-    names = ["order.b", "order.a"] if r == n - 1 else ["order.a", "order.b"]
-    handles = [hvd.allreduce_async(torch.ones(2), name=name) for name in names]
-    for handle in handles:
-        with pytest.raises(
-            hvd.HorovodInternalError,
-            match="mismatched tensor name across the workers: .*sent 'order.[ab]'; .*sent 'order.[ab]'",
-        ):
-            hvd.synchronize(handle)
-    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(n)] * 2
+    values = {"by.a": 1.0, "by.b": 10.0, "by.c": 100.0}
+    order = ["by.c", "by.b", "by.a"] if r % 2 else ["by.a", "by.b", "by.c"]
+    handles = {
+        name: hvd.allreduce_async(torch.full((2,), values[name] * (r + 1)), name=name, op=hvd.Sum) for name in order
+    }
+    others = [
+        ("by.gather", lambda: hvd.allgather_async(torch.full((r + 1,), float(r)), name="by.gather")),
+        ("by.bcast", lambda: hvd.broadcast_async(torch.full((2,), float(r)), 0, name="by.bcast")),
+        ("by.scatter", lambda: hvd.reducescatter_async(torch.ones(n, 2), name="by.scatter", op=hvd.Sum)),
+    ]
+    for name, start in reversed(others) if r % 2 else others:
+        handles[name] = start()
+    for name in ["by.b", "by.c", "by.a"]:
+        assert hvd.synchronize(handles[name]).tolist() == [values[name] * n * (n + 1) / 2] * 2
+    assert hvd.synchronize(handles["by.gather"]).tolist() == [float(w) for w in range(n) for _ in range(w + 1)]
+    assert hvd.synchronize(handles["by.bcast"]).tolist() == [0.0, 0.0]
+    assert hvd.synchronize(handles["by.scatter"]).tolist() == [[float(n)] * 2]
+
+
+def test_a_blocking_named_operation_meets_another_workers_asynchronous_one_by_name():
+    """The blocking forms take the name too: odd workers start an allgather and block in a broadcast, even workers
+    start the broadcast and block in the allgather (in calling order these would pair an allgather with a broadcast);
+    then a named reducescatter and allreduce, blocking on one side and asynchronous on the other."""
+    n, r = hvd.size(), hvd.rank()
+    mine = torch.full((r + 1,), float(r))
+    if r % 2:
+        handle = hvd.allgather_async(mine, name="block.gather")
+        cast = hvd.broadcast(torch.full((2,), float(r)), 0, name="block.cast")
+        gathered = hvd.synchronize(handle)
+        scattered = hvd.synchronize(hvd.reducescatter_async(torch.ones(n, 2), name="block.scatter", op=hvd.Sum))
+        summed = hvd.allreduce(torch.ones(2), name="block.sum", op=hvd.Sum)
+    else:
+        handle = hvd.broadcast_async(torch.full((2,), float(r)), 0, name="block.cast")
+        gathered = hvd.allgather(mine, name="block.gather")
+        cast = hvd.synchronize(handle)
+        handle = hvd.allreduce_async(torch.ones(2), name="block.sum", op=hvd.Sum)
+        scattered = hvd.reducescatter(torch.ones(n, 2), name="block.scatter", op=hvd.Sum)
+        summed = hvd.synchronize(handle)
+    assert gathered.tolist() == [float(w) for w in range(n) for _ in range(w + 1)]
+    assert cast.tolist() == [0.0, 0.0]
+    assert scattered.tolist() == [[float(n)] * 2] and summed.tolist() == [float(n)] * 2
+
+
+def test_a_worker_may_complete_one_name_before_it_calls_the_next():
+    """Worker 0 starts 'x' then 'y' and waits for 'x'; the others start 'y', wait for it, and only then start 'x'
+    (an order that works under Horovod's coordinator: 'y' is ready first). More names than a round holds are in
+    flight on worker 0 (`_names._K`), so the full lists are exchanged too. An unnamed operation called
+    while names are in flight still meets in calling order."""
+    n, r = hvd.size(), hvd.rank()
+    if r == 0:
+        held = [hvd.allreduce_async(torch.full((1,), float(i)), name=f"many.{i}", op=hvd.Sum) for i in range(20)]
+        x = hvd.allreduce_async(torch.ones(1), name="then.x", op=hvd.Sum)
+        y = hvd.allreduce_async(torch.ones(1), name="then.y", op=hvd.Sum)
+        assert hvd.synchronize(x).tolist() == [float(n)]
+        assert hvd.synchronize(y).tolist() == [float(n)]
+    else:
+        assert hvd.synchronize(hvd.allreduce_async(torch.ones(1), name="then.y", op=hvd.Sum)).tolist() == [float(n)]
+        assert hvd.synchronize(hvd.allreduce_async(torch.ones(1), name="then.x", op=hvd.Sum)).tolist() == [float(n)]
+        held = [
+            hvd.allreduce_async(torch.full((1,), float(i)), name=f"many.{i}", op=hvd.Sum) for i in reversed(range(20))
+        ][::-1]
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist() == [float(n)]  # unnamed ones meet in calling order
+    assert [hvd.synchronize(h).item() for h in held] == [float(i * n) for i in range(20)]
+
+
+def test_a_named_mismatch_raises_on_every_worker_naming_what_each_sent():
+    """Names met in different orders are still checked: 'mis.shape' has another shape and 'mis.type' another type on
+    the last worker; both raise HorovodInternalError on every worker naming the ranks and what each sent, no data
+    moves, and 'mis.fine', called between them, completes."""
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("a mismatch needs two workers")
+    last = r == n - 1
+    starts = [
+        ("mis.shape", lambda: hvd.allreduce_async(torch.ones(3 if last else 2), name="mis.shape")),
+        ("mis.fine", lambda: hvd.allreduce_async(torch.ones(2), name="mis.fine", op=hvd.Sum)),
+        (
+            "mis.type",
+            lambda: hvd.allgather_async(torch.ones(2, dtype=torch.float64 if last else torch.float32), name="mis.type"),
+        ),
+    ]
+    handles = {name: start() for name, start in (reversed(starts) if last else starts)}
+    others = "rank 0" if n == 2 else "ranks " + ", ".join(map(str, range(n - 1)))
+    with pytest.raises(
+        hvd.HorovodInternalError, match=rf"shape across the workers: {others} sent \[2\]; rank {n - 1} sent \[3\]"
+    ):
+        hvd.synchronize(handles["mis.shape"])
+    with pytest.raises(
+        hvd.HorovodInternalError,
+        match=rf"type across the workers: {others} sent 'float32'; rank {n - 1} sent 'float64'",
+    ):
+        hvd.synchronize(handles["mis.type"])
+    assert hvd.synchronize(handles["mis.fine"]).tolist() == [float(n)] * 2
+
+
+def test_a_joined_worker_answers_named_operations_called_in_different_orders():
+    """Horovod's join: the last worker joins at once; the others allreduce two names in different orders, the
+    joined worker contributing zeros to each (an Average divides by every worker), then join themselves; join
+    returns the same rank on every worker, one that joined after the first."""
+    n, r = hvd.size(), hvd.rank()
+    if r == n - 1:
+        last = hvd.join()
+    else:
+        names = ["join.b", "join.a"] if r % 2 else ["join.a", "join.b"]
+        handles = {name: hvd.allreduce_async(torch.full((2,), float(r + 1)), name=name) for name in names}
+        expected = sum(range(1, n)) / n
+        assert hvd.synchronize(handles["join.b"]).tolist() == [expected] * 2
+        assert hvd.synchronize(handles["join.a"]).tolist() == [expected] * 2
+        last = hvd.join()
+    assert hvd.allgather(torch.tensor([last])).tolist() == [last] * n
+    assert n == 1 or last != n - 1
 
 
 class _Bag(nn.Module):
