@@ -37,9 +37,15 @@ def test_operations_started_before_a_barrier_meet_the_others_started_after_it():
     hvd.barrier()
     if r != 0:
         handles = start()
+        # A name worker 0 calls only after the next barrier is in flight here for certain (the names above may
+        # already have completed: each later call moves the rounds on).
+        late = hvd.allreduce_async(torch.ones(3), name="late.allreduce", op=hvd.Sum)
         with pytest.raises(ValueError, match="same name as another tensor"):
-            hvd.allreduce_async(torch.ones(3), name="early.allreduce")  # still in flight here
+            hvd.allreduce_async(torch.ones(3), name="late.allreduce")
     hvd.barrier()
+    if r == 0:
+        late = hvd.allreduce_async(torch.ones(3), name="late.allreduce", op=hvd.Sum)
+    assert hvd.synchronize(late).tolist() == [float(n)] * 3
     summed, gathered, broadcast, scattered, grouped = (hvd.synchronize(h) for h in handles)
     assert summed.tolist() == [n * (n - 1) / 2] * 3
     assert gathered.shape == (n * (n + 1) // 2, 2) and gathered[-1].tolist() == [n - 1.0] * 2
