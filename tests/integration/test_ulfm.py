@@ -23,6 +23,7 @@ from tests.integration.hits import (
     OPENMPI,
     OPENMPI_ENV,
     ROOT,
+    Hit,
     Launcher,
     end,
     rank_pids,
@@ -76,6 +77,22 @@ def test_a_bsp_script_goes_on_in_place_without_a_killed_worker(tmp_path: Path) -
     assert not before & set(after)
 
 
+def _went_on_in_place(hit: Hit, steps: int, killed: int) -> int:
+    """What every in-place shrink of a `collsync-train` run at -n 4 leaves: exit 0, a whole summary of all `steps`
+    updates naming the `killed` rank lost, one `world` event from 4 to 3 ranks past update 100, an apply per update.
+    Returns the version the world shrank at."""
+    assert hit.returncode == 0, hit.stderr[-3000:]
+    assert "incomplete" not in hit.summary
+    assert hit.summary["updates"] == steps
+    assert [x["rank"] for x in hit.summary["lost"]] == [killed]
+    world = hit.trace.of("world")
+    assert len(world) == 1 and (world[0]["workers"], world[0]["was"]) == (3, 4), world
+    at = world[0]["version"]
+    assert 100 <= at < steps
+    assert len(hit.trace.of("apply")) == steps
+    return at
+
+
 def test_collsync_train_allreduce_goes_on_in_place_without_a_killed_rank(tmp_path: Path) -> None:
     """`runtime=allreduce sync=bsp` at -n 4, rank 2 killed once the run is past update 100 of 300: every update
     is applied, those after the loss by the 3 left (a `lost` then a `world` event), the trace checks out, no
@@ -83,16 +100,8 @@ def test_collsync_train_allreduce_goes_on_in_place_without_a_killed_rank(tmp_pat
     steps = 300
     overrides = ["runtime=allreduce", "sync=bsp", "optimizer=sgd", "checkpoint.every=50"]
     hit = run_hitting(ULFM, tmp_path, 4, overrides, steps, [(100, 2, signal.SIGKILL)], BOUND_S)
-    assert hit.returncode == 0, hit.stderr[-3000:]
-    assert "incomplete" not in hit.summary
-    assert hit.summary["updates"] == steps
-    assert [x["rank"] for x in hit.summary["lost"]] == [2]
-    world = hit.trace.of("world")
-    assert len(world) == 1 and (world[0]["workers"], world[0]["was"]) == (3, 4), world
-    at = world[0]["version"]
-    assert 100 <= at < steps
+    at = _went_on_in_place(hit, steps, killed=2)
     applies = hit.trace.of("apply")
-    assert len(applies) == steps
     assert all(sorted(e["workers"]) == [0, 1, 2, 3] for e in applies[:at])
     assert all(sorted(e["workers"]) == [0, 1, 2] for e in applies[at:])
     assert not hit.trace.of("resume")
@@ -110,16 +119,8 @@ def test_collsync_train_partial_goes_on_in_place_without_a_killed_rank(tmp_path:
     steps, killed, sync = 300, 3, ["sync=backup", "sync.backups=1"]
     overrides = ["runtime=partial", *sync, "optimizer=sgd", "checkpoint.every=50"]
     hit = run_hitting(ULFM, tmp_path, 4, overrides, steps, [(100, killed, signal.SIGKILL)], BOUND_S)
-    assert hit.returncode == 0, hit.stderr[-3000:]
-    assert "incomplete" not in hit.summary
-    assert hit.summary["updates"] == steps
-    assert [x["rank"] for x in hit.summary["lost"]] == [killed]
-    world = hit.trace.of("world")
-    assert len(world) == 1 and (world[0]["workers"], world[0]["was"]) == (3, 4), world
-    at = world[0]["version"]
-    assert 100 <= at < steps
+    at = _went_on_in_place(hit, steps, killed)
     applies = hit.trace.of("apply")
-    assert len(applies) == steps
     assert all(max(e["workers"]) <= 2 for e in applies[at:])
     assert all(3 <= len(e["workers"]) <= 4 for e in applies[:at])  # backup's margin may take a 4th
     assert all(2 <= len(e["workers"]) <= 3 for e in applies[at:])
