@@ -103,7 +103,9 @@ class InPlace:
             self.kept.use(self.pa, server.version)
             run_partial(server, self.kept, grads, on_update=on_update, catch_up=catch_up)
 
-        recovering(attempt, lambda error: self._recover(server, on_update))
+        recovering(
+            attempt, lambda error: self._recover(server, on_update), lambda: [self.launch.comm, *self.pa.comms()]
+        )
 
     def _recover(self, server: Server, on_update: Callable[[Server], None] | None) -> None:
         """Steps 1-3 of the module's docstring (collective over the survivors)."""

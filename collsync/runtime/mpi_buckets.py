@@ -228,15 +228,19 @@ class BucketReducer:
     def _finish(self) -> None:
         try:
             if self.ulfm:
-                mpi_ulfm.recovering(self._reduce, self._recover)
+                mpi_ulfm.recovering(self._reduce, self._recover, self._comms)
             else:
                 self._reduce()
         except TimeoutError as exc:  # a collective cannot say whom it waits for: the roll call names them
             raise lost(self.comm, str(exc), self.deadline) from None
         except self.MPI.Exception as exc:
-            if self.ulfm or not mpi_ulfm.failure(exc):
+            if self.ulfm or not mpi_ulfm.failure(exc, *self._comms()):
                 raise
             raise RuntimeError(f"{self.what}: {mpi_ulfm.NOT_THERE}") from exc
+
+    def _comms(self) -> list[MPI.Comm | None]:
+        """The communicators this reducer's sums run on now (its own, its thread's)."""
+        return [self.comm, None if self._thread is None else self._thread.comm]
 
     def leave(self, error: BaseException, *also: MPI.Comm) -> None:
         """A failure first seen outside this reducer (a collective of the caller's on the same ranks): revoke `also`

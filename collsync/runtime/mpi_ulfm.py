@@ -64,21 +64,45 @@ def errors_return(comm: MPI.Comm) -> MPI.Comm:
     return comm
 
 
-def failure(exc: BaseException | None) -> bool:
+def failure(exc: BaseException | None, *comms: MPI.Comm | None) -> bool:
     """Whether `exc` (or what caused it: a reduction thread's error is re-raised by the waiting thread) is MPI's
     report of a dead process or of a communicator revoked after one. A `Shrank` is not: it is the report of a
-    recovery already made."""
+    recovery already made. Open MPI's nonblocking collectives (libnbc) report a schedule that met a revoked
+    communicator or a dead process as `MPI_ERR_OTHER` ("NBC_Progress: an error 77 was found"), not as its class:
+    so any MPI error counts too where one of `comms` (those the failed operation ran on) is revoked or knows of a
+    dead process."""
     from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
     if isinstance(exc, Shrank):
         return False
     classes = {getattr(MPI, name, -1) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")}
-    seen = 0
+    seen, mpi_error = 0, False
     while exc is not None and seen < 8:
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in classes:
-            return True
+        if isinstance(exc, MPI.Exception):
+            if exc.Get_error_class() in classes:
+                return True
+            mpi_error = True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    return mpi_error and any(_broken(c) for c in comms)
+
+
+def _broken(comm: MPI.Comm | None) -> bool:
+    """Whether `comm` is revoked or knows of one of its processes dead (ULFM's local knowledge; False without it)."""
+    from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+    if comm is None or comm == MPI.COMM_NULL or not hasattr(comm, "Is_revoked"):
+        return False
+    try:
+        if comm.Is_revoked():
+            return True
+        failed = comm.Get_failed()
+    except MPI.Exception:
+        return True  # the query itself failing on a communicator that worked before: it is one a failure broke
+    try:
+        return bool(failed.Get_size())
+    finally:
+        if failed != MPI.GROUP_EMPTY:
+            failed.Free()
 
 
 @dataclass(frozen=True)
@@ -183,10 +207,13 @@ class Watch:
         self.comm.Free()
 
 
-def recovering(attempt: Callable[[], Any], recover: Callable[[BaseException], None]) -> Any:
+def recovering(
+    attempt: Callable[[], Any], recover: Callable[[BaseException], None], comms: Callable[[], list[Any]] = list
+) -> Any:
     """`attempt()`; after a process failure it raises, `recover(error)` then `attempt()` again (a failure inside
     `recover`, another rank dying meanwhile, is recovered from the same way), at most `RECOVERIES` times; any other
-    error, and a failure past that, goes on up."""
+    error, and a failure past that, goes on up. `comms()` names the communicators the attempt runs on at the time
+    (see `failure`)."""
     error: BaseException | None = None
     for _ in range(RECOVERIES + 1):
         try:
@@ -194,7 +221,7 @@ def recovering(attempt: Callable[[], Any], recover: Callable[[BaseException], No
                 recover(error)
             return attempt()
         except Exception as exc:  # noqa: BLE001 - only MPI's failure reports are handled, the rest re-raised
-            if not failure(exc):
+            if not failure(exc, *comms()):
                 raise
             error = exc
     assert error is not None

@@ -27,11 +27,19 @@ LEAVE: list[Callable[..., None]] = []
 WHAT = "a collective of the script's"
 
 
+def failure(error: BaseException) -> bool:
+    """Whether `error` is a process failure reported to a collective on the workers' world (`mpi_ulfm.failure`, with
+    the world and its duplicates as the communicators it may have run on)."""
+    st = _world._STATE
+    comms = [] if st is None else [st.comm, *dups(st.comm)]
+    return mpi_ulfm.failure(error, *comms)
+
+
 def shrink_world(error: BaseException) -> NoReturn:
     """After `error`, a process failure reported to a collective on the workers' world: shrink the world to the
     workers left and raise `mpi_ulfm.Shrank`. Where ULFM is off, or `error` is no process failure, `error` itself
     is raised again."""
-    if not (mpi_ulfm.enabled() and mpi_ulfm.failure(error)):
+    if not (mpi_ulfm.enabled() and failure(error)):
         raise error
     st = _world.state("collsync.torch")
     old = st.comm

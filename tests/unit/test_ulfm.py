@@ -135,3 +135,44 @@ def test_the_partial_allreduce_keeps_its_last_results_by_the_replicas_version():
     kept.use(_Rounds(), base=20)
     kept(torch.zeros(2), 1, 0)
     assert [r.round for r in kept.results] == [12, 13, 20] and (kept.rank, kept.size) == (0, 2)
+
+
+class _Comm:
+    """What `mpi_ulfm.failure` asks of a communicator: whether it is revoked, which of its processes failed."""
+
+    def __init__(self, revoked: bool, failed: int) -> None:
+        self.revoked, self.failed = revoked, failed
+
+    def Is_revoked(self) -> bool:  # noqa: N802 - mpi4py's name
+        return self.revoked
+
+    def Get_failed(self):  # noqa: N802 - mpi4py's name
+        return _Group(self.failed)
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def Get_size(self) -> int:  # noqa: N802 - mpi4py's name
+        return self.size
+
+    def Free(self) -> None:  # noqa: N802 - mpi4py's name
+        pass
+
+
+def test_an_nbc_error_counts_as_a_failure_only_on_a_communicator_a_failure_broke():
+    """Open MPI's nonblocking collectives report a revoked communicator as `MPI_ERR_OTHER` ("NBC_Progress: an error
+    77 was found"): a failure where the communicator the reduction ran on is revoked or knows a dead process, not
+    otherwise; the failure classes themselves count wherever they come from, and a non-MPI error never does."""
+    MPI = pytest.importorskip("mpi4py.MPI")
+    other = MPI.Exception(MPI.ERR_OTHER)
+    assert not mpi_ulfm.failure(other)
+    assert not mpi_ulfm.failure(other, _Comm(False, 0), None)
+    assert mpi_ulfm.failure(other, _Comm(True, 0))
+    assert mpi_ulfm.failure(other, None, _Comm(False, 1))
+    assert mpi_ulfm.failure(MPI.Exception(MPI.ERR_REVOKED))
+    assert not mpi_ulfm.failure(ValueError("no"), _Comm(True, 1))
+    wrapped = RuntimeError("the reduction thread failed")
+    wrapped.__cause__ = other
+    assert mpi_ulfm.failure(wrapped, _Comm(True, 0))

@@ -40,7 +40,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from collsync.runtime.mpi_ulfm import Shrank, failure
+from collsync.runtime.mpi_ulfm import Shrank
 from collsync.say import say
 from collsync.torch import _ulfm, _world
 from collsync.torch._ops_base import HorovodInternalError, HostsUpdatedInterrupt
@@ -116,7 +116,7 @@ def _loop(func: Callable[..., R], state: State, *args: Any, **kwargs: Any) -> R:
             skip_sync = exc.skip_sync
             why = exc
         except Exception as exc:
-            if not failure(exc):
+            if not _ulfm.failure(exc):
                 raise
             # A rank lost under ULFM, first seen by a collective of the function's own or by sync()'s broadcast.
             try:
