@@ -8,12 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import shm
 from tests.cluster.box import PYTHONS, cluster
 
 
 @pytest.fixture(scope="session")
 def box() -> Iterator[None]:
     """Three hosts (node0, node1, node2) on one bridge with no link model."""
+    shm.clear_stale()  # segments that ranks killed by earlier stages left could make a job's MPI_Init fail
     proc = cluster("up", "--hosts", "3", "--link", "none", check=False)
     if proc.returncode != 0:
         pytest.skip(proc.stderr.strip() or proc.stdout.strip())

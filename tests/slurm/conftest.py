@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import shm
 from tests.slurm.cluster import RECORD, unavailable
 
 
@@ -21,6 +22,7 @@ def cluster() -> None:
     why = unavailable()
     if why is not None:
         pytest.skip(why)
+    shm.clear_stale()  # segments that ranks killed by earlier stages left could make a job's MPI_Init fail
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
