@@ -146,6 +146,7 @@ def stability() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, ..., first-seed + seeds - 1")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--sides", nargs="+", default=list(sides()), choices=list(sides()))
     parser.add_argument("--timings", nargs="+", default=list(TIMINGS), choices=list(TIMINGS))
@@ -159,7 +160,9 @@ def main() -> None:
     rounds = args.epochs * (len(data.y_train) // (WORKERS * BATCH))
     results: dict[tuple[str, str], list[float]] = {}
     started = time.perf_counter()
-    for seed in range(args.seeds):  # interleaved: seed by seed, every side and timing
+    for seed in range(
+        args.first_seed, args.first_seed + args.seeds
+    ):  # interleaved: seed by seed, every side and timing
         for name in args.sides:
             # bsp's rounds hold the same gradients whatever the timing: one run serves every timing
             for timing in ["-"] if name == "bsp" else args.timings:
