@@ -27,6 +27,7 @@ from collsync.torch._handles import _Requests as _Requests
 from collsync.torch._handles import _unnamed as _unnamed
 from collsync.torch._handles import poll as poll
 from collsync.torch._handles import synchronize as synchronize
+from collsync.torch._handles import tensor_name
 from collsync.torch._mpi_types import HALVES as HALVES
 from collsync.torch._mpi_types import Adasum as Adasum
 from collsync.torch._mpi_types import Average as Average
@@ -110,7 +111,7 @@ def _bits(value: float) -> int:
 
 
 # What an agreement header says an operation is (Horovod's request types, for the ones a joined worker follows).
-ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER = 1, 2, 3, 4
+ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL = 1, 2, 3, 4, 5
 _LOW = -(1 << 62)  # a joined worker's header fields: below any real one, so the maximum is the others'
 # The header's first fields are combined by their maximum only: whether some worker is still active, whether some
 # worker has joined, the rank that joins in this round, whether the operation blocks. The others are checked for
@@ -152,6 +153,8 @@ class _Agreement:
     ) -> None:
         self.comm, self.what, self.op, self.pre, self.post, self.kind = comm, what, op, pre, post, kind
         self.root, self.name = root, name
+        # What a named operation meets the others' by: Horovod's tensor name, the kind of call and the name.
+        self.key = None if name is None else tensor_name(what, name)
         self.dtypes = tuple(t.dtype for t in tensors)
         self.shapes = tuple(tuple(t.shape) for t in tensors)
         codes = tuple(_DTYPE_CODES.get(d, -1) for d in self.dtypes)
