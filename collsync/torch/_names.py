@@ -5,9 +5,11 @@ Horovod queues each operation under its name and runs it the moment every rank h
 workers may start named operations in different orders. collsync has no coordinator thread: the workers negotiate
 in rounds, one small MPI_Iallgather each (`Negotiator`) on a communicator of their own (`_ops_base._headers`),
 posted by a worker while it has a named operation not yet started (or has joined) and moved on by every wait of
-every collective (`_stall.STALL.tick`), as Horovod's background thread would. A round carries each worker's names
-(a 62-bit hash) with what their agreement header checks, written out (`describe`: kind, dtypes, shapes, op, scale
-factors, root, the name's CRC-32) and an allgather's first dimensions. A name that every active worker lists is
+every collective (`_stall.STALL.tick`), as Horovod's background thread would. A name is Horovod's tensor name, the
+kind of call and the name (`_handles.tensor_name`: `allreduce.x` and `allgather.x` are two names). A round carries
+each worker's names (a 62-bit hash) with what their agreement header checks, written out (`describe`: kind,
+dtypes, shapes, op, scale factors, root, the name's CRC-32), and an allgather's first dimensions or an alltoall's
+first dimension and splits. A name that every active worker lists is
 ready; the ready names start in the order the lowest active worker lists them, the same on every worker (MPI
 matches collectives by order), on a data communicator of their own, ordered neither with the unnamed operations'
 data nor with their headers. Settling a round never waits for another worker (a worker settles it inside any
