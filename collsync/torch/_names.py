@@ -28,7 +28,8 @@ import hashlib
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -162,6 +163,7 @@ class Negotiator:
         self.request: Any = None
         self.bufs = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
         self.joined = self.all_joined = self.busy = False
+        self.holding = False  # submitted names wait for the next round of their own (`held`)
         self.joined_posts = 0  # the rounds this worker posted since it joined
         self.side = entry[2]
         self.side.named = lambda: [str(op.agreement.key) for op in self.waiting.values()]
@@ -169,7 +171,8 @@ class Negotiator:
 
     def submit(self, op: Named) -> None:
         self.waiting[op.key] = op
-        self.progress()
+        if not self.holding:
+            self.progress()
 
     def progress(self) -> None:
         """Settle the round in flight if it has arrived, and post the next while this worker has names waiting or
@@ -257,12 +260,13 @@ def _shown(desc: tuple[int, ...], rows: tuple[int, ...]) -> tuple[Any, Any, int,
 def _entries(row: np.ndarray) -> list[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]]:
     """A round's row back as (name, (description, rows)) in the worker's calling order."""
     out, at = [], _HEAD
-    for _ in range(int(row[1])):
-        key, length = int(row[at]), int(row[at + 1])
-        desc = tuple(int(v) for v in row[at + 2 : at + 2 + length])
+    values: list[int] = row.tolist()  # Python ints at once: reading numpy scalars one by one costs more than the round
+    for _ in range(values[1]):
+        key, length = values[at], values[at + 1]
+        desc = tuple(values[at + 2 : at + 2 + length])
         at += 2 + length
-        count = int(row[at])
-        rows = tuple(int(v) for v in row[at + 1 : at + 1 + count])
+        count = values[at]
+        rows = tuple(values[at + 1 : at + 1 + count])
         at += 1 + count
         out.append((key, (desc, rows)))
     return out
@@ -278,6 +282,20 @@ def negotiator(comm: Any) -> Negotiator:
     if made is None or made.comm is not comm:
         made = _NEGOTIATORS[id(comm)] = Negotiator(comm)
     return made
+
+
+@contextmanager
+def held(comm: Any) -> Iterator[None]:
+    """Named operations started inside go out in one round, not the first of them alone in a round of its own
+    (each start posts a round when none is in flight): `broadcast_parameters` starts one per tensor, and their
+    data would otherwise wait for a second round. Nothing inside may wait for another worker."""
+    made = negotiator(comm)
+    made.holding = True
+    try:
+        yield
+    finally:
+        made.holding = False
+        made.progress()
 
 
 def after(

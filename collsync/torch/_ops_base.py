@@ -118,6 +118,7 @@ _LOW = -(1 << 62)  # a joined worker's header fields: below any real one, so the
 # agreement (their maximum and minimum must be equal), the minimum coming back as the maximum of the negations.
 _ACTIVE, _JOINED, _LAST, _BLOCKING, _CHECKED = 0, 1, 2, 3, 4
 _SIGNATURE = 9  # the checked fields: kind, tensors, dtypes, shapes, op, prescale, postscale, root, name
+_NO_HEADER = np.zeros(0, dtype=np.int64)  # a named operation's header: none (it is never posted)
 
 
 def _name_code(name: str | None) -> int:
@@ -160,7 +161,9 @@ class _Agreement:
         codes = tuple(_DTYPE_CODES.get(d, -1) for d in self.dtypes)
         sig = [kind, len(tensors), hash(codes) & _FIELD, hash(self.shapes) & _FIELD, op, _bits(pre), _bits(post), root]
         sig.append(_name_code(name))  # named operations called in another order on another worker are told apart
-        self.buf = np.array([1, 0, _LOW, int(blocking), *sig, *(-v for v in sig)], dtype=np.int64)
+        # A named operation's description travels in its negotiation round (`_names`), never in a header.
+        header = [1, 0, _LOW, int(blocking), *sig, *(-v for v in sig)]
+        self.buf = _NO_HEADER if name is not None else np.array(header, dtype=np.int64)
         self.hcomm = _headers(comm)
         self.side = _HEADERS[id(comm)][2]
         # Its number on `comm`, which the stall check asks for (named operations are the negotiator's: `_names`).

@@ -5,6 +5,7 @@ workers' communicator (see `collsync.torch.ops`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from collsync.runtime.mpi_coll import shutdown
 from collsync.torch import _inputs, _stall
-from collsync.torch._names import after, join_collectives, progress
+from collsync.torch._names import after, held, join_collectives, progress
 from collsync.torch._ops_base import (
     ALLGATHER,
     BROADCAST,
@@ -229,9 +230,12 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     Each tensor is broadcast under its name, as Horovod names it (its key; bare tensors go unnamed), so the
     broadcasts meet by name (`_names`): a worker that lists its parameters in another order still gets each from
     the root's tensor of the same name, and one whose names or shapes differ is told which."""
+    items = _inputs.state_items(params)
+    comm, _ = set_comm(global_process_set, "broadcast_parameters")
     handles = []
-    for key, p in _inputs.state_items(params):
-        handles.append(broadcast_async_(p, root_rank, key if isinstance(key, str) else None))
+    with held(comm) if comm.Get_size() > 1 else nullcontext():
+        for key, p in items:
+            handles.append(broadcast_async_(p, root_rank, key if isinstance(key, str) else None))
     for h in handles:
         synchronize(h)
 
