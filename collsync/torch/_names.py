@@ -163,7 +163,7 @@ class Negotiator:
         self.request: Any = None
         self.bufs = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
         self.joined = self.all_joined = self.busy = False
-        self.holding = False  # submitted names wait for the next round of their own (`held`)
+        self.holding = False  # submitted names wait for the next round of their own (`in_one_round`)
         self.joined_posts = 0  # the rounds this worker posted since it joined
         self.side = entry[2]
         self.side.named = lambda: [str(op.agreement.key) for op in self.waiting.values()]
@@ -285,10 +285,11 @@ def negotiator(comm: Any) -> Negotiator:
 
 
 @contextmanager
-def held(comm: Any) -> Iterator[None]:
-    """Named operations started inside go out in one round, not the first of them alone in a round of its own
-    (each start posts a round when none is in flight): `broadcast_parameters` starts one per tensor, and their
-    data would otherwise wait for a second round. Nothing inside may wait for another worker."""
+def in_one_round(comm: Any) -> Iterator[None]:
+    """Named operations started inside go out together in the next round (as many as its width holds), not the
+    first of them alone in a round of its own (each start posts a round when none is in flight):
+    `broadcast_parameters` starts one per tensor, whose data would otherwise wait for a second round. Nothing
+    inside may wait for another worker: this worker posts no round until the block ends."""
     made = negotiator(comm)
     made.holding = True
     try:

@@ -13,7 +13,7 @@ import torch
 
 from collsync.runtime.mpi_coll import shutdown
 from collsync.torch import _inputs, _stall
-from collsync.torch._names import after, held, join_collectives, progress
+from collsync.torch._names import after, in_one_round, join_collectives, progress
 from collsync.torch._ops_base import (
     ALLGATHER,
     BROADCAST,
@@ -233,7 +233,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     items = _inputs.state_items(params)
     comm, _ = set_comm(global_process_set, "broadcast_parameters")
     handles = []
-    with held(comm) if comm.Get_size() > 1 else nullcontext():
+    with in_one_round(comm) if comm.Get_size() > 1 else nullcontext():
         for key, p in items:
             handles.append(broadcast_async_(p, root_rank, key if isinstance(key, str) else None))
     for h in handles:
