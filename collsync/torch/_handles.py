@@ -15,7 +15,7 @@ class _Handle:
 
     def __init__(self, request: Any, finish: Callable[[], Any]) -> None:
         self.request, self.finish, self.result, self.done = request, finish, None, False
-        self.name: str | None = None  # the name it was given, while in flight (`_register`)
+        self.name: str | None = None  # its `tensor_name`, while in flight (`_register`)
 
     def test(self) -> bool:
         if not self.done and (self.request is None or self.request.Test()):
@@ -69,18 +69,34 @@ class _Requests:
 
 _HANDLES: dict[int, _Handle] = {}
 _IDS = itertools.count(1)
-_NAMES: dict[str, int] = {}  # the names of the operations in flight (until completed) -> their handles
+_NAMES: dict[str, int] = {}  # the keys (`tensor_name`) of the operations in flight (until completed) -> handles
+
+
+def op_kind(what: str) -> str:
+    """The operation a call is, as Horovod's tensor names say it: `allreduce_async_`, `allreduce_` and `allreduce`
+    are all `allreduce`; `grouped_allreduce_async` is `grouped_allreduce`."""
+    return what.removesuffix("_").removesuffix("_async")
+
+
+def tensor_name(what: str, name: str) -> str:
+    """Horovod's name of a named operation, `<op>.<name>` (horovod/torch/mpi_ops_v2.cc, GetOpName): its tensor
+    table and its coordinator key operations by it, so one name is one namespace per kind of operation: an
+    allreduce 'x' and an allgather 'x' in flight together are two operations, each meeting its own kind on the
+    other workers, while two allreduces 'x' (in place or not, blocking or not) are one name twice."""
+    return f"{op_kind(what)}.{name}"
 
 
 def _unnamed(name: str | None, what: str) -> None:
-    """Refuse an operation named as one still in flight, before it posts anything (Horovod's duplicate-name error:
-    its coordinator matches operations by name, so two in flight under one name cannot be told apart). As in
-    Horovod, a name is free again once its operation has completed, synchronized or not."""
-    if name is None or name not in _NAMES:
+    """Refuse an operation named as one of its kind still in flight (`tensor_name`), before it posts anything
+    (Horovod's duplicate-name error: its coordinator matches operations by name, so two in flight under one name
+    cannot be told apart). As in Horovod, a name is free again once its operation has completed, synchronized or
+    not."""
+    key = None if name is None else tensor_name(what, name)
+    if key is None or key not in _NAMES:
         return
-    held = _HANDLES.get(_NAMES[name])
+    held = _HANDLES.get(_NAMES[key])
     if held is None or held.settled():
-        del _NAMES[name]
+        del _NAMES[key]
     else:
         raise ValueError(
             f"{what}: requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor "
@@ -89,12 +105,13 @@ def _unnamed(name: str | None, what: str) -> None:
         )
 
 
-def _register(handle: _Handle, name: str | None = None) -> int:
+def _register(handle: _Handle, name: str | None = None, what: str = "") -> int:
+    """A handle for `synchronize`; a named one holds its name (`tensor_name` of `what` and `name`) until then."""
     key = next(_IDS)
     _HANDLES[key] = handle
     if name is not None:
-        _NAMES[name] = key
-        handle.name = name
+        handle.name = tensor_name(what, name)
+        _NAMES[handle.name] = key
     return key
 
 

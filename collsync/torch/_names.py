@@ -5,9 +5,11 @@ Horovod queues each operation under its name and runs it the moment every rank h
 workers may start named operations in different orders. collsync has no coordinator thread: the workers negotiate
 in rounds, one small MPI_Iallgather each (`Negotiator`) on a communicator of their own (`_ops_base._headers`),
 posted by a worker while it has a named operation not yet started (or has joined) and moved on by every wait of
-every collective (`_stall.STALL.tick`), as Horovod's background thread would. A round carries each worker's names
-(a 62-bit hash) with what their agreement header checks, written out (`describe`: kind, dtypes, shapes, op, scale
-factors, root, the name's CRC-32) and an allgather's first dimensions. A name that every active worker lists is
+every collective (`_stall.STALL.tick`), as Horovod's background thread would. A name is Horovod's tensor name, the
+kind of call and the name (`_handles.tensor_name`: `allreduce.x` and `allgather.x` are two names). A round carries
+each worker's names (a 62-bit hash) with what their agreement header checks, written out (`describe`: kind,
+dtypes, shapes, op, scale factors, root, the name's CRC-32), and an allgather's first dimensions or an alltoall's
+first dimension and splits. A name that every active worker lists is
 ready; the ready names start in the order the lowest active worker lists them, the same on every worker (MPI
 matches collectives by order), on a data communicator of their own, ordered neither with the unnamed operations'
 data nor with their headers. Settling a round never waits for another worker (a worker settles it inside any
@@ -26,7 +28,8 @@ import hashlib
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -46,8 +49,7 @@ from collsync.torch._ops_base import (
     _SIGNATURE,
     ALLGATHER,
     ALLREDUCE,
-    BROADCAST,
-    REDUCESCATTER,
+    ALLTOALL,
     HorovodInternalError,
     _AfterAgreement,
     _Agreement,
@@ -69,7 +71,6 @@ from collsync.torch._ops_base import progress as _progress
 _MIN_WIDTH = 256  # a round's int64s per worker; it grows (in step: from the last round) while names wait beyond it
 _HEAD = 3  # a round's first fields: whether the worker has joined, how many names it lists, the width it needs
 _REFUSED = "not supported while a worker has joined (Horovod: not supported with Join at this time)"
-_KINDS = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", REDUCESCATTER: "reducescatter"}
 _DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
@@ -86,12 +87,13 @@ def _float(value: float) -> int:
 
 def describe(agreement: _Agreement) -> tuple[int, ...]:
     """What the workers must agree on, written out as int64s: kind, number of tensors, each one's dtype code and
-    shape, op, the scale factors' bits, root, and the name's CRC-32 (an allgather's first dimensions are 0 here)."""
+    shape, op, the scale factors' bits, root, and the CRC-32 of its `key` (an allgather's or alltoall's first
+    dimensions are 0 here: they may differ, and travel as its rows)."""
     out = [agreement.kind, len(agreement.dtypes)]
     for dtype, shape in zip(agreement.dtypes, agreement.shapes, strict=True):
         out += [_DTYPE_CODES.get(dtype, -1), len(shape), *shape]
     out += [agreement.op, _float(agreement.pre), _float(agreement.post), agreement.root]
-    return (*out, _name_code(agreement.name))
+    return (*out, _name_code(agreement.key))
 
 
 def _read(desc: tuple[int, ...]) -> tuple[int, list[torch.dtype], list[tuple[int, ...]], int, float, float, int]:
@@ -108,13 +110,14 @@ def _read(desc: tuple[int, ...]) -> tuple[int, list[torch.dtype], list[tuple[int
 
 class Named:
     """A named operation for `_Handle`: started by its communicator's `Negotiator` once every worker has called
-    it, then tested as its data's request. `rows`: an allgather's first dimensions, which its start takes from
-    the round instead of gathering them."""
+    it, then tested as its data's request. It meets the others' operation of its `key` (the kind of call and the
+    name, as Horovod keys it). `rows`: an allgather's first dimensions, or an alltoall's first dimension and
+    splits, which its start takes from the round instead of gathering them."""
 
     def __init__(self, agreement: _Agreement, start: Callable[..., Any], rows: tuple[int, ...] | None) -> None:
-        assert agreement.name is not None
+        assert agreement.key is not None
         self.agreement, self.start, self.rows = agreement, start, rows
-        self.key = name_key(agreement.name)
+        self.key = name_key(agreement.key)
         self.entry = (self.key, *_packed(describe(agreement)), *_packed(rows or ()))
         self.request: Any = None
         self.begun, self.warned, self.since = False, False, time.monotonic()
@@ -160,14 +163,16 @@ class Negotiator:
         self.request: Any = None
         self.bufs = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
         self.joined = self.all_joined = self.busy = False
+        self.holding = False  # submitted names wait for the next round of their own (`in_one_round`)
         self.joined_posts = 0  # the rounds this worker posted since it joined
         self.side = entry[2]
-        self.side.named = lambda: [str(op.agreement.name) for op in self.waiting.values()]
+        self.side.named = lambda: [str(op.agreement.key) for op in self.waiting.values()]
         self.zeros: list[tuple[Any, list[torch.Tensor]]] = []  # a joined worker's contributions still moving
 
     def submit(self, op: Named) -> None:
         self.waiting[op.key] = op
-        self.progress()
+        if not self.holding:
+            self.progress()
 
     def progress(self) -> None:
         """Settle the round in flight if it has arrived, and post the next while this worker has names waiting or
@@ -221,7 +226,7 @@ class Negotiator:
         if any(desc != sent[0][1] for _, desc, _ in sent):
             if op is not None:
                 what, name = op.agreement.what, op.agreement.name
-                said = [(rank, fields(what, *_read(desc)[1:], name)) for rank, desc, _ in sent]
+                said = [(rank, fields(what, *_shown(desc, rows), name)) for rank, desc, rows in sent]
                 op.fail(explain(what, said))
             return
         kind, dtypes, shapes, how = _read(sent[0][1])[:4]
@@ -237,18 +242,31 @@ class Negotiator:
     def stalled(self, op: Named) -> None:
         """Horovod's stall check for a named operation not started (`_stall`): past the warning time one line
         naming the workers that have not called it, past the end time the job ends."""
-        _stall.STALL.tick(self.side, 0, _KINDS.get(op.agreement.kind, op.agreement.what), op.since, op.agreement.name)
+        _stall.STALL.tick(self.side, 0, op.agreement.what, op.since, op.agreement.key)
+
+
+def _shown(desc: tuple[int, ...], rows: tuple[int, ...]) -> tuple[Any, Any, int, float, float, int]:
+    """`_read`'s fields after the kind, as a worker called the operation: an allgather's or alltoall's shapes with
+    its own first dimensions (its rows: an allgather's first dimensions, an alltoall's first dimension before its
+    splits)."""
+    kind, dtypes, shapes, op, pre, post, root = _read(desc)
+    if kind == ALLGATHER and len(rows) == len(shapes):
+        shapes = [(first, *shape[1:]) for first, shape in zip(rows, shapes, strict=True)]
+    elif kind == ALLTOALL and rows:
+        shapes = [(rows[0], *shapes[0][1:])]
+    return dtypes, shapes, op, pre, post, root
 
 
 def _entries(row: np.ndarray) -> list[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]]:
     """A round's row back as (name, (description, rows)) in the worker's calling order."""
     out, at = [], _HEAD
-    for _ in range(int(row[1])):
-        key, length = int(row[at]), int(row[at + 1])
-        desc = tuple(int(v) for v in row[at + 2 : at + 2 + length])
+    values: list[int] = row.tolist()  # Python ints at once: reading numpy scalars one by one costs more than the round
+    for _ in range(values[1]):
+        key, length = values[at], values[at + 1]
+        desc = tuple(values[at + 2 : at + 2 + length])
         at += 2 + length
-        count = int(row[at])
-        rows = tuple(int(v) for v in row[at + 1 : at + 1 + count])
+        count = values[at]
+        rows = tuple(values[at + 1 : at + 1 + count])
         at += 1 + count
         out.append((key, (desc, rows)))
     return out
@@ -264,6 +282,21 @@ def negotiator(comm: Any) -> Negotiator:
     if made is None or made.comm is not comm:
         made = _NEGOTIATORS[id(comm)] = Negotiator(comm)
     return made
+
+
+@contextmanager
+def in_one_round(comm: Any) -> Iterator[None]:
+    """Named operations started inside go out together in the next round (as many as its width holds), not the
+    first of them alone in a round of its own (each start posts a round when none is in flight):
+    `broadcast_parameters` starts one per tensor, whose data would otherwise wait for a second round. Nothing
+    inside may wait for another worker: this worker posts no round until the block ends."""
+    made = negotiator(comm)
+    made.holding = True
+    try:
+        yield
+    finally:
+        made.holding = False
+        made.progress()
 
 
 def after(

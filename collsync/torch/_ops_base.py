@@ -27,6 +27,7 @@ from collsync.torch._handles import _Requests as _Requests
 from collsync.torch._handles import _unnamed as _unnamed
 from collsync.torch._handles import poll as poll
 from collsync.torch._handles import synchronize as synchronize
+from collsync.torch._handles import tensor_name
 from collsync.torch._mpi_types import HALVES as HALVES
 from collsync.torch._mpi_types import Adasum as Adasum
 from collsync.torch._mpi_types import Average as Average
@@ -110,13 +111,14 @@ def _bits(value: float) -> int:
 
 
 # What an agreement header says an operation is (Horovod's request types, for the ones a joined worker follows).
-ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER = 1, 2, 3, 4
+ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL = 1, 2, 3, 4, 5
 _LOW = -(1 << 62)  # a joined worker's header fields: below any real one, so the maximum is the others'
 # The header's first fields are combined by their maximum only: whether some worker is still active, whether some
 # worker has joined, the rank that joins in this round, whether the operation blocks. The others are checked for
 # agreement (their maximum and minimum must be equal), the minimum coming back as the maximum of the negations.
 _ACTIVE, _JOINED, _LAST, _BLOCKING, _CHECKED = 0, 1, 2, 3, 4
 _SIGNATURE = 9  # the checked fields: kind, tensors, dtypes, shapes, op, prescale, postscale, root, name
+_NO_HEADER = np.zeros(0, dtype=np.int64)  # a named operation's header: none (it is never posted)
 
 
 def _name_code(name: str | None) -> int:
@@ -152,12 +154,16 @@ class _Agreement:
     ) -> None:
         self.comm, self.what, self.op, self.pre, self.post, self.kind = comm, what, op, pre, post, kind
         self.root, self.name = root, name
+        # What a named operation meets the others' by: Horovod's tensor name, the kind of call and the name.
+        self.key = None if name is None else tensor_name(what, name)
         self.dtypes = tuple(t.dtype for t in tensors)
         self.shapes = tuple(tuple(t.shape) for t in tensors)
         codes = tuple(_DTYPE_CODES.get(d, -1) for d in self.dtypes)
         sig = [kind, len(tensors), hash(codes) & _FIELD, hash(self.shapes) & _FIELD, op, _bits(pre), _bits(post), root]
         sig.append(_name_code(name))  # named operations called in another order on another worker are told apart
-        self.buf = np.array([1, 0, _LOW, int(blocking), *sig, *(-v for v in sig)], dtype=np.int64)
+        # A named operation's description travels in its negotiation round (`_names`), never in a header.
+        header = [1, 0, _LOW, int(blocking), *sig, *(-v for v in sig)]
+        self.buf = _NO_HEADER if name is not None else np.array(header, dtype=np.int64)
         self.hcomm = _headers(comm)
         self.side = _HEADERS[id(comm)][2]
         # Its number on `comm`, which the stall check asks for (named operations are the negotiator's: `_names`).

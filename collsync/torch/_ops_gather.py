@@ -5,6 +5,7 @@ workers' communicator (see `collsync.torch.ops`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from collsync.runtime.mpi_coll import shutdown
 from collsync.torch import _inputs, _stall
-from collsync.torch._names import after, join_collectives, progress
+from collsync.torch._names import after, in_one_round, join_collectives, progress
 from collsync.torch._ops_base import (
     ALLGATHER,
     BROADCAST,
@@ -70,11 +71,18 @@ def _gather_start(tensors: list[torch.Tensor], process_set: Any, what: str, name
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> int:
     """Start an allgather: the workers' tensors concatenated along dimension 0 (sizes there may differ)."""
-    _unnamed(name, "allgather_async")
-    handle = _gather_start([tensor], process_set, "allgather", name)
-    finish = handle.finish
-    handle.finish = lambda: finish()[0]
-    return _register(handle, name)
+    return _gather_async([tensor], name, process_set, "allgather_async", single=True)
+
+
+def _gather_async(tensors: list[torch.Tensor], name: str | None, process_set: Any, what: str, single: bool) -> int:
+    """`allgather_async` (`single`: its handle returns the one output) or `grouped_allgather_async`, under the
+    name of the call the user made (`what`: the stall check and the errors say it)."""
+    _unnamed(name, what)
+    handle = _gather_start(tensors, process_set, what, name)
+    if single:
+        finish = handle.finish
+        handle.finish = lambda: finish()[0]
+    return _register(handle, name, what)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
@@ -82,16 +90,15 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     `HorovodAllgather`: the gradient is the average of the output's gradients over the workers, sliced to this
     worker's rows)."""
     _check(tensor, "allgather")  # before autograd's Function, which would fail on tensor.dim()
-    return _AllgatherFn.apply(process_set, name, tensor)[0]
+    return _AllgatherFn.apply(process_set, name, "allgather", tensor)[0]
 
 
 def grouped_allgather_async(
     tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
 ) -> int:
     """Start allgathers of several tensors as one operation; `synchronize` returns the list of outputs."""
-    _unnamed(name, "grouped_allgather_async")
     tensors = _inputs.tensors(tensors, "grouped_allgather_async")
-    return _register(_gather_start(tensors, process_set, "grouped_allgather", name), name)
+    return _gather_async(tensors, name, process_set, "grouped_allgather_async", single=False)
 
 
 def grouped_allgather(
@@ -99,7 +106,7 @@ def grouped_allgather(
 ) -> list[torch.Tensor]:
     """`allgather` of each tensor, as one operation (Horovod's `grouped_allgather`, autograd included)."""
     tensors = _inputs.tensors(tensors, "grouped_allgather")
-    return list(_AllgatherFn.apply(process_set, name, *tensors))
+    return list(_AllgatherFn.apply(process_set, name, "grouped_allgather", *tensors))
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -107,10 +114,11 @@ class _AllgatherFn(torch.autograd.Function):
     the workers of its output's gradient, narrowed to this worker's rows (an average, as Horovod has it)."""
 
     @staticmethod
-    def forward(ctx: Any, process_set: Any, name: str | None, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, process_set: Any, name: str | None, what: str, *tensors: torch.Tensor) -> Any:
         ctx.process_set = process_set
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+        # The call the user made (`what`): allgather's single tensor is Horovod's `allgather.<name>`, not a group.
+        return tuple(synchronize(_gather_async(list(tensors), name, process_set, what, single=False)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -122,7 +130,7 @@ class _AllgatherFn(torch.autograd.Function):
         for i, g in enumerate(reduced):
             offset = sum(r[i] for r in rows[:me])
             out.append(g.narrow(0, offset, ctx.rows[i]))
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
 def broadcast_async_(
@@ -147,9 +155,9 @@ def broadcast_async_(
         return tensor
 
     if comm.Get_size() == 1:
-        return _register(_Handle(start(comm), finish), name)
+        return _register(_Handle(start(comm), finish), name, "broadcast")
     agreement = _Agreement(comm, [tensor], Average, 1.0, 1.0, "broadcast", kind=BROADCAST, root=root_rank, name=name)
-    return _register(_Handle(after(agreement, start), finish), name)
+    return _register(_Handle(after(agreement, start), finish), name, "broadcast")
 
 
 def broadcast_async(
@@ -217,10 +225,17 @@ def barrier(process_set: Any = global_process_set) -> None:
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Broadcast a model's `state_dict()`, or `named_parameters()`, from worker `root_rank`, in place."""
+    """Broadcast a model's `state_dict()`, or `named_parameters()`, from worker `root_rank`, in place.
+
+    Each tensor is broadcast under its name, as Horovod names it (its key; bare tensors go unnamed), so the
+    broadcasts meet by name (`_names`): a worker that lists its parameters in another order still gets each from
+    the root's tensor of the same name, and one whose names or shapes differ is told which."""
+    items = _inputs.state_items(params)
+    comm, _ = set_comm(global_process_set, "broadcast_parameters")
     handles = []
-    for _, p in _inputs.state_items(params):
-        handles.append(broadcast_async_(p, root_rank))
+    with in_one_round(comm) if comm.Get_size() > 1 else nullcontext():
+        for key, p in items:
+            handles.append(broadcast_async_(p, root_rank, key if isinstance(key, str) else None))
     for h in handles:
         synchronize(h)
 
@@ -250,8 +265,49 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                     ):
                         p.grad = p.grad.to_sparse()
         _local_step(optimizer)
-    state_dict = broadcast_object(optimizer.state_dict(), root_rank)
-    optimizer.load_state_dict(state_dict)
+    _broadcast_state(optimizer, root_rank)
+
+
+def _broadcast_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """The root's optimizer state, as Horovod moves it: each state tensor broadcast in place under its name
+    ('<state key>.<occurrence>', e.g. 'exp_avg.3', the same on every worker for the same optimizer), the other
+    values (a step count, each group's options) in one object. A state tensor of `state_dict()` is the optimizer's
+    own (the per-parameter dicts are shared), so the in-place broadcast is the load."""
+    state_dict = optimizer.state_dict()
+    tensors: list[tuple[str, torch.Tensor]] = []
+    scalars: dict[str, Any] = {}
+    assign: dict[str, Callable[[Any], None]] = {}
+    occurrences: dict[str, int] = {}
+    for index, group in enumerate(state_dict["param_groups"]):
+        for option, value in group.items():
+            if option != "params":
+                key = f"{option}.{index}"
+                scalars[key] = value
+                assign[key] = _setter(optimizer.param_groups[index], option)
+        for pid in group["params"]:
+            for state_key, value in state_dict["state"].get(pid, {}).items():
+                occurrences[str(state_key)] = occurrences.get(str(state_key), 0) + 1
+                key = f"{state_key}.{occurrences[str(state_key)]}"
+                if isinstance(value, torch.Tensor):
+                    tensors.append((key, value))
+                else:
+                    scalars[key] = value
+                    assign[key] = _setter(state_dict["state"][pid], state_key)
+    broadcast_parameters(tensors, root_rank)
+    for key, value in broadcast_object(scalars, root_rank).items():
+        if key not in assign:
+            raise ValueError(
+                f"broadcast_optimizer_state: worker {root_rank}'s optimizer has {key!r}, this worker's has not; "
+                "build the same optimizer class with the same parameter groups on every worker"
+            )
+        assign[key](value)
+
+
+def _setter(holder: dict[Any, Any], key: Any) -> Callable[[Any], None]:
+    def put(value: Any) -> None:
+        holder[key] = value
+
+    return put
 
 
 def _served(optimizer: torch.optim.Optimizer) -> bool:

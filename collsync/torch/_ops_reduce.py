@@ -133,6 +133,7 @@ def allreduce_async_(
             tensor, tensor, op, prescale_factor, postscale_factor, "allreduce_async_", False, process_set, name=name
         ),
         name,
+        "allreduce_async_",
     )
 
 
@@ -155,6 +156,7 @@ def allreduce_async(
             tensor, out, op, prescale_factor, postscale_factor, "allreduce_async", False, process_set, name=name
         ),
         name,
+        "allreduce_async",
     )
 
 
@@ -241,6 +243,7 @@ def grouped_allreduce_async_(
             tensors, tensors, op, prescale_factor, postscale_factor, "grouped_allreduce", False, process_set, name=name
         ),
         name,
+        "grouped_allreduce",
     )
 
 
@@ -289,7 +292,7 @@ def grouped_allreduce(
     tensors = _inputs.tensors(tensors, "grouped_allreduce")
     _inputs.compression(compression, "grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduceFn.apply(op, prescale_factor, postscale_factor, process_set, *[p[0] for p in pairs])
+    outs = _GroupedAllreduceFn.apply(op, prescale_factor, postscale_factor, process_set, name, *[p[0] for p in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
 
 
@@ -297,14 +300,16 @@ class _GroupedAllreduceFn(torch.autograd.Function):
     """Horovod's `HorovodGroupedAllreduce`: the gradients are allreduced the same way, as one group."""
 
     @staticmethod
-    def forward(ctx: Any, op: int, pre: float, post: float, process_set: Any, *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, op: int, pre: float, post: float, process_set: Any, name: str | None, *tensors: torch.Tensor
+    ) -> Any:
         ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
         copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-        return tuple(grouped_allreduce_(copies, None, None, op, pre, post, process_set))
+        return tuple(grouped_allreduce_(copies, None, name, op, pre, post, process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         reduced = grouped_allreduce(
             list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.process_set
         )
-        return (None, None, None, None, *reduced)
+        return (None, None, None, None, None, *reduced)

@@ -5,8 +5,9 @@ Horovod defines for it (see `collsync.torch.ops`).
 Horovod's coordinator checks that the workers agree on a collective before it runs it; a disagreement raises
 `HorovodInternalError` on every worker instead of hanging in MPI. A reducescatter agrees through the agreement
 header the allreduces use (`_ops_base._Agreement`: dtypes, shapes, op, scale factors, name), posted without waiting
-for the other workers, so `reducescatter_async` returns at once; an alltoall gathers the workers' dtypes, shapes
-and splits in one small allgather first.
+for the other workers, so `reducescatter_async` returns at once; a named alltoall meets the others' by name
+(`_names`: its splits travel in the negotiation round), an unnamed one gathers the workers' dtypes, shapes and
+splits in one small allgather first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from collsync.torch import _inputs
 from collsync.torch._names import after
 from collsync.torch._ops_base import (
+    ALLTOALL,
     REDUCESCATTER,
     Adasum,
     Average,
@@ -78,26 +80,47 @@ def alltoall_async(
     """Start an alltoall: rows `splits[i]` (in order along dimension 0) go to worker i of the set, and every
     worker's rows for this one come back concatenated in rank order; `synchronize` returns `(output,
     received_splits)`, the latter an int32 tensor of the rows received from each worker (Horovod's answer)."""
-    what = "alltoall"
-    comm, _ = _comm(process_set, what)
+    return _alltoall_async(tensor, splits, name, process_set, "alltoall_async")
+
+
+def _alltoall_async(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any, what: str) -> int:
+    """`alltoall_async` under the name of the call the user made (`what`). The workers must agree on the dtype
+    and on every dimension but the first, as Horovod's coordinator checks; each worker's splits say what it sends.
+    A named alltoall meets the others' by name (`_names`: its first dimension and splits travel in the round, and
+    a mismatch raises HorovodInternalError on every worker naming what each sent); an unnamed one gathers the
+    same facts in one small allgather, in calling order."""
+    _unnamed(name, what)
+    comm, _ = set_comm(process_set, what) if name is not None else _comm(process_set, what)
     _check(tensor, what)
     if tensor.dim() == 0:
-        raise ValueError("alltoall: the tensor must have at least one dimension")
+        raise ValueError(f"{what}: the tensor must have at least one dimension")
     size, me = comm.Get_size(), comm.Get_rank()
     sends = _splits(splits, tensor.shape[0], size)
-    metas = _agree(comm, (str(tensor.dtype), tuple(tensor.shape[1:]), sends), what, vary=(2,))
-    received = [m[2][me] for m in metas]
     src = tensor.detach().contiguous()
-    inner = _inner(src)
-    out = torch.empty((sum(received), *src.shape[1:]), dtype=src.dtype)
-    scounts = [s * inner for s in sends]
-    rcounts = [r * inner for r in received]
-    mpi_t = _mpi_type(src.dtype, what)
-    request = comm.Ialltoallv(
-        [words(src), (scounts, _offsets(scounts)), mpi_t], [words(out), (rcounts, _offsets(rcounts)), mpi_t]
-    )
-    recv_splits = torch.tensor(received, dtype=torch.int32)
-    return _register(_Handle(request, lambda: (out, recv_splits)))
+    inner, done = _inner(src), []
+
+    def start(comm: Any, rows: list[tuple[int, ...]]) -> Any:
+        # rows: every worker's first dimension, then its splits (what it sends to each worker).
+        received = [r[1 + me] for r in rows]
+        out = torch.empty((sum(received), *src.shape[1:]), dtype=src.dtype)
+        scounts = [s * inner for s in sends]
+        rcounts = [r * inner for r in received]
+        mpi_t = _mpi_type(src.dtype, what)
+        done.append((out, torch.tensor(received, dtype=torch.int32)))
+        return comm.Ialltoallv(
+            [words(src), (scounts, _offsets(scounts)), mpi_t], [words(out), (rcounts, _offsets(rcounts)), mpi_t]
+        )
+
+    rows = (src.shape[0], *sends)
+    if name is None or size == 1:
+        if size == 1:
+            metas = [rows]
+        else:
+            agreed = _agree(comm, (str(tensor.dtype), tuple(tensor.shape[1:]), sends), what, vary=(2,))
+            metas = [(0, *m[2]) for m in agreed]
+        return _register(_Handle(start(comm, metas), lambda: done[0]))
+    agreement = _Agreement(comm, [src[:0]], Average, 1.0, 1.0, what, kind=ALLTOALL, name=name)
+    return _register(_Handle(after(agreement, start, rows), lambda: done[0]), name, what)
 
 
 def _offsets(counts: list[int]) -> list[int]:
@@ -110,13 +133,13 @@ def alltoall(
     """Horovod's `alltoall`: the rows this worker receives, concatenated in rank order; with `splits` given,
     `(output, received_splits)`. Autograd passes through (Horovod's `HorovodAlltoall`): the gradient goes back by
     the alltoall the other way, with the received splits as its splits."""
-    return _AlltoallFn.apply(tensor, splits, process_set)
+    return _AlltoallFn.apply(tensor, splits, process_set, name)
 
 
 class _AlltoallFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, process_set: Any) -> Any:
-        out, received = synchronize(alltoall_async(tensor, splits, None, process_set))
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, process_set: Any, name: str | None) -> Any:
+        out, received = synchronize(_alltoall_async(tensor, splits, name, process_set, "alltoall"))
         ctx.process_set, ctx.received, ctx.rows = process_set, received, tensor.shape[0]
         if splits is None:
             return out
@@ -128,7 +151,7 @@ class _AlltoallFn(torch.autograd.Function):
         back, _ = alltoall(grad, splits=ctx.received, process_set=ctx.process_set)
         if back.shape[0] < ctx.rows:  # rows past sum(splits) were not sent: their gradient is zero
             back = torch.cat([back, back.new_zeros((ctx.rows - back.shape[0], *back.shape[1:]))])
-        return back, None, None
+        return back, None, None, None
 
 
 def _scatter_rows(rows: int, size: int) -> list[int]:
@@ -191,7 +214,7 @@ def reducescatter_async(
     handle = _reducescatter_start([tensor], op, process_set, prescale_factor, postscale_factor, "reducescatter", name)
     finish = handle.finish
     handle.finish = lambda: finish()[0]
-    return _register(handle, name)
+    return _register(handle, name, "reducescatter")
 
 
 def grouped_reducescatter_async(
@@ -208,7 +231,7 @@ def grouped_reducescatter_async(
     tensors = _inputs.tensors(tensors, what)
     _unnamed(name, what)
     handle = _reducescatter_start(tensors, op, process_set, prescale_factor, postscale_factor, what, name)
-    return _register(handle, name)
+    return _register(handle, name, what)
 
 
 def reducescatter(
@@ -225,7 +248,7 @@ def reducescatter(
     dtype and shape. Autograd passes through with Horovod's gradient (`HorovodReducescatter`): the allgather of the
     output gradients, times the set's size for Sum, times both scale factors."""
     wire, cctx = compression.compress(tensor)
-    out = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, name, wire)[0]
+    out = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, name, "reducescatter", wire)[0]
     return compression.decompress(out, cctx)
 
 
@@ -241,19 +264,29 @@ def grouped_reducescatter(
     """`reducescatter` of each tensor, as one operation (Horovod's `grouped_reducescatter`, autograd included)."""
     tensors = _inputs.tensors(tensors, "grouped_reducescatter")
     pairs = [compression.compress(t) for t in tensors]
-    outs = _ReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, name, *[p[0] for p in pairs])
+    wires = [p[0] for p in pairs]
+    outs = _ReducescatterFn.apply(
+        op, process_set, prescale_factor, postscale_factor, name, "grouped_reducescatter", *wires
+    )
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
 
 
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, op: int, process_set: Any, pre: float, post: float, name: str | None, *tensors: torch.Tensor
+        ctx: Any,
+        op: int,
+        process_set: Any,
+        pre: float,
+        post: float,
+        name: str | None,
+        what: str,
+        *tensors: torch.Tensor,
     ) -> Any:
-        op = _op(op, None, "reducescatter")
+        op = _op(op, None, what)
         ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
-        _unnamed(name, "reducescatter")
-        handle = _reducescatter_start(list(tensors), op, process_set, pre, post, "reducescatter", name)
+        _unnamed(name, what)
+        handle = _reducescatter_start(list(tensors), op, process_set, pre, post, what, name)
         return tuple(handle.wait())
 
     @staticmethod
@@ -263,4 +296,4 @@ class _ReducescatterFn(torch.autograd.Function):
             comm, _ = _comm(ctx.process_set, "reducescatter")
             factor *= comm.Get_size()
         scaled = [g * factor if factor != 1.0 else g for g in grads]
-        return (None, None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))
+        return (None, None, None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))

@@ -52,7 +52,8 @@ class Side:
     called: int = 0  # collectives with a header called on the data communicator
     last: str = ""  # the last one's name
     sends: list[Any] = field(default_factory=list)
-    named: Callable[[], list[str]] = list  # the names of this worker's named operations not yet started (`_names`)
+    # The keys ('<op>.<name>', `_handles.tensor_name`) of this worker's named operations not yet started (`_names`).
+    named: Callable[[], list[str]] = list
 
 
 class StallCheck:
@@ -153,7 +154,7 @@ class StallCheck:
             names = ", ".join(f"worker {w}" for w in silent)
             parts.append(f"{names} {'answers' if len(silent) == 1 else 'answer'} nothing (not inside a collective)")
         found = "; ".join(parts) or "every worker has called it (its data is still moving)"
-        here = f"(collective #{seq} here)" if name is None else repr(name)
+        here = f"(collective #{seq} here)" if name is None else repr(name.partition(".")[2])  # '<op>.<name>'
         return f"collsync: worker {comm.Get_rank()} has waited {waited:.0f} s in {what} {here}: {found}"
 
 

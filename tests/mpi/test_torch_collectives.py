@@ -182,18 +182,31 @@ def test_join_without_an_optimizer_contributes_zeros_until_every_worker_joined()
 
 
 def test_a_second_operation_in_flight_under_one_name_is_refused_as_in_horovod():
-    """Horovod refuses an operation named as one still in flight (ValueError) before it moves anything; the name
-    is free again once the first is synchronized."""
+    """Horovod refuses an operation named as one of its kind still in flight (ValueError) before it moves anything
+    (an allreduce in place or not is one kind: Horovod's tensor name is `allreduce.<name>` for both); the name is
+    free again once the first is synchronized."""
     n = hvd.size()
-    for start in (
-        lambda: hvd.allreduce_async(torch.ones(2), name="twice"),
-        lambda: hvd.allreduce_async_(torch.ones(2), name="twice"),
-        lambda: hvd.allgather_async(torch.ones(2), name="twice"),
-        lambda: hvd.broadcast_async(torch.ones(2), 0, name="twice"),
+    for start, again in (
+        (
+            lambda: hvd.allreduce_async(torch.ones(2), name="twice"),
+            lambda: hvd.allreduce_async_(torch.ones(3), name="twice"),
+        ),
+        (
+            lambda: hvd.allreduce_async_(torch.ones(2), name="twice"),
+            lambda: hvd.allreduce_async(torch.ones(3), name="twice"),
+        ),
+        (
+            lambda: hvd.allgather_async(torch.ones(2), name="twice"),
+            lambda: hvd.allgather_async(torch.ones(3), name="twice"),
+        ),
+        (
+            lambda: hvd.broadcast_async(torch.ones(2), 0, name="twice"),
+            lambda: hvd.broadcast_async_(torch.ones(3), 0, name="twice"),
+        ),
     ):
         first = start()
         with pytest.raises(ValueError, match="same name as another tensor .*name='twice'"):
-            hvd.allreduce_async(torch.ones(3), name="twice")
+            again()
         hvd.synchronize(first)
     handle = hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)  # free again
     assert hvd.synchronize(handle).tolist() == [float(n)] * 2

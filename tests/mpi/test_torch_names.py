@@ -4,6 +4,8 @@ by name, and a sparse embedding trains without `sparse_as_dense` as it trains wi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -233,3 +235,141 @@ def test_sparse_adam_steps_on_the_reduced_sparse_gradient():
     gathered = hvd.allgather(embedding.weight.detach().reshape(1, -1))
     assert all(torch.equal(row, gathered[0]) for row in gathered)
     opt.close()
+
+
+def test_named_alltoalls_meet_by_name_with_each_workers_splits():
+    """A named alltoall meets the others' by name, as Horovod's do: odd workers start 'a2a.y' before 'a2a.x' and
+    block in one while the others block in the other, each worker sending worker w (w + 1) rows of its rank
+    under 'a2a.x' and one row under 'a2a.y'; each gets its rows and the splits it received."""
+    n, r = hvd.size(), hvd.rank()
+    x_splits = torch.tensor([w + 1 for w in range(n)], dtype=torch.int32)
+    x_in = torch.full((int(x_splits.sum()), 2), float(r))
+    y_in = torch.arange(n, dtype=torch.float64) + 10 * r
+    if r % 2:
+        handle = hvd.alltoall_async(y_in, name="a2a.y")
+        x_out, x_received = hvd.alltoall(x_in, x_splits, name="a2a.x")
+        y_out, y_received = hvd.synchronize(handle)
+    else:
+        handle = hvd.alltoall_async(x_in, x_splits, name="a2a.x")
+        y_out = hvd.alltoall(y_in, name="a2a.y")
+        x_out, x_received = hvd.synchronize(handle)
+    assert x_received.tolist() == [r + 1] * n
+    assert x_out.tolist() == [[float(w)] * 2 for w in range(n) for _ in range(r + 1)]
+    assert y_out.tolist() == [float(r + 10 * w) for w in range(n)]
+
+
+def test_a_named_alltoall_mismatch_names_each_workers_tensor():
+    """A named alltoall whose workers disagree on a dimension past the first (or on the type) raises
+    HorovodInternalError on every worker, naming the ranks and the shape each sent; no data moves."""
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("a mismatch needs two workers")
+    last = r == n - 1
+    handle = hvd.alltoall_async(torch.ones(2 * n, 3 if last else 2), name="a2a.bad")
+    others = "rank 0" if n == 2 else "ranks " + ", ".join(map(str, range(n - 1)))
+    with pytest.raises(
+        hvd.HorovodInternalError,
+        match=rf"^alltoall_async: mismatched tensor shape across the workers: {others} sent \[{2 * n}, 2\]; "
+        rf"rank {n - 1} sent \[{2 * n}, 3\]",
+    ):
+        hvd.synchronize(handle)
+    assert hvd.alltoall(torch.ones(n), name="a2a.bad").tolist() == [1.0] * n  # the name is free again
+
+
+def test_one_name_is_one_namespace_per_kind_of_operation():
+    """Horovod keys a named operation by its kind and name ('allreduce.same', 'allgather.same', ...): the same
+    name on operations of six kinds, in flight together, is six operations, each meeting its own kind (odd workers
+    call them in the other order). The same kind twice under one name is refused, in place or not. The last
+    worker starts its six before a barrier that the others start theirs after, so they are in flight there."""
+    n, r = hvd.size(), hvd.rank()
+
+    def start() -> list[int]:
+        starts = [
+            lambda: hvd.allreduce_async(torch.full((2,), float(r)), name="same", op=hvd.Sum),
+            lambda: hvd.allgather_async(torch.full((1,), float(r)), name="same"),
+            lambda: hvd.broadcast_async(torch.full((2,), float(r)), n - 1, name="same"),
+            lambda: hvd.alltoall_async(torch.full((n,), float(r)), name="same"),
+            lambda: hvd.reducescatter_async(torch.ones(n), name="same", op=hvd.Sum),
+            lambda: hvd.grouped_allreduce_async([torch.ones(1)], name="same", op=hvd.Sum),
+        ]
+        return [s() for s in starts] if r % 2 == 0 else [s() for s in reversed(starts)][::-1]
+
+    handles = start() if r == n - 1 else []
+    try:
+        if r == n - 1:
+            with pytest.raises(ValueError, match=r"^allreduce_async_: requested to allreduce, .*\(name='same'\)"):
+                hvd.allreduce_async_(torch.ones(2), name="same")
+    finally:
+        hvd.barrier()  # reached on every worker, whatever the check found
+    if r != n - 1:
+        handles = start()
+    summed, gathered, cast, swapped, scattered, grouped = (hvd.synchronize(h) for h in handles)
+    assert summed.tolist() == [n * (n - 1) / 2] * 2
+    assert gathered.tolist() == [float(w) for w in range(n)]
+    assert cast.tolist() == [float(n - 1)] * 2
+    assert swapped[0].tolist() == [float(w) for w in range(n)] and swapped[1].tolist() == [1] * n
+    assert scattered.tolist() == [float(n)] and grouped[0].tolist() == [float(n)]
+
+
+def test_broadcast_parameters_meets_by_parameter_name_in_any_order():
+    """`broadcast_parameters` names each broadcast by its parameter's name, as Horovod does: odd workers list
+    the parameters in the reverse order, and every worker still ends with the root's tensor of each name."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(r)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    named = list(model.named_parameters())
+    hvd.broadcast_parameters(named[::-1] if r % 2 else named, root_rank=n - 1)
+    gathered = hvd.allgather(torch.cat([p.detach().reshape(1, -1) for _, p in named], dim=1))
+    assert all(torch.equal(row, gathered[-1]) for row in gathered)
+    torch.manual_seed(n - 1)
+    root = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), root.parameters(), strict=True))
+
+
+def test_broadcast_optimizer_state_moves_the_roots_state_tensors_and_options_by_name():
+    """Horovod's `broadcast_optimizer_state`: the root's Adam state (its moments, under 'exp_avg.1', ...) and
+    options (lr, betas) replace a fresh optimizer's on every other worker, in place."""
+    r = hvd.rank()
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([w], lr=0.1 * (r + 1), betas=(0.8, 0.9) if r == 0 else (0.9, 0.999))
+    if r == 0:
+        w.grad = torch.tensor([1.0, 2.0, 3.0])
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1) and opt.param_groups[0]["betas"] == (0.8, 0.9)
+    moments = torch.cat([opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"], opt.state[w]["step"].reshape(1)])
+    gathered = hvd.allgather(moments.reshape(1, -1))
+    assert all(torch.equal(row, gathered[0]) for row in gathered)
+    assert opt.state[w]["exp_avg"].tolist() == pytest.approx([0.2, 0.4, 0.6])
+
+
+@pytest.mark.serial
+def test_the_stall_line_names_the_operation_the_user_called(capfd, monkeypatch):
+    """A stalled allgather is named `allgather` (not the grouped operation it runs as), named or not: the last
+    worker calls a named one, then an unnamed one, while the others wait 2 s before each (the stall check warns
+    after 1 s here)."""
+    from collsync.torch import _stall
+
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("a stall needs two workers")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "1")
+    end_s = _stall.STALL.end_s
+    _stall.STALL.configure(None)
+    _stall.STALL.end_s = end_s
+    try:
+        hvd.barrier()
+        for name in ("stall.x", None):
+            if r != n - 1:
+                time.sleep(2.0)
+            assert hvd.allgather(torch.ones(1), name=name).tolist() == [1.0] * n
+        hvd.barrier()
+    finally:
+        monkeypatch.delenv("HOROVOD_STALL_CHECK_TIME_SECONDS")
+        _stall.STALL.configure(None)
+        _stall.STALL.end_s = end_s
+    err = capfd.readouterr().err
+    if r == n - 1:
+        assert f"worker {r} has waited 1 s in allgather 'stall.x': " in err, err
+        assert f"worker {r} has waited 1 s in allgather (collective #" in err, err
+        assert "grouped" not in err, err
