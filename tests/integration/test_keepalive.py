@@ -49,9 +49,11 @@ def test_async_goes_on_without_a_killed_worker_under_mpich(tmp_path: Path) -> No
     assert counts["pushed"] == counts["applied"] + counts["dropped"]
 
 
-# Paced (100 ms of injected compute a step) so that the kill lands between two rounds, as in test_partial_lost: a
-# rank killed inside a round it counts in (holding its block of the ring's sum) ends the run naming it (README, Lost
-# workers), which a run says as "partial allreduce: round 110 is being summed ...": tried again then, up to 3 times.
+# Paced (100 ms of injected compute a step) and the kill timed inside that compute (`between_rounds`: the rank seen
+# asleep there), so that it lands between two rounds, as in test_partial_lost: a rank killed inside a round it counts
+# in (holding its block of the ring's sum) ends the run naming it (README, Lost workers), which a run says as
+# "partial allreduce: round 110 is being summed ...". Timed from the checkpoint alone, kills often landed there (a
+# second launch, a minute more); where one still does, the run is tried again, up to 3 times.
 PACED = ["stragglers=none", "runtime.inject_stragglers=true", "runtime.time_scale=0.1"]
 INSIDE_A_ROUND = "partial allreduce: round "
 
@@ -62,7 +64,9 @@ def test_serverless_backup_goes_on_without_a_killed_worker_under_mpich(tmp_path:
     for attempt in range(3):
         run = tmp_path / str(attempt)
         run.mkdir()
-        hit = run_hitting(COLLSYNC_RUN, run, 4, overrides, steps, [(100, 2, signal.SIGKILL)], BOUND)
+        hit = run_hitting(
+            COLLSYNC_RUN, run, 4, overrides, steps, [(100, 2, signal.SIGKILL)], BOUND, between_rounds=True
+        )
         if hit.returncode != 2 or INSIDE_A_ROUND not in hit.stderr:
             break
     _finished_without(hit, 2, steps)

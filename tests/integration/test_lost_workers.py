@@ -27,7 +27,7 @@ from tests.integration.hits import (
     OPENMPI_RECOVERY,
     Hit,
     Launcher,
-    end,
+    ended,
     rank_pids,
     run_hitting,
     train_command,
@@ -132,10 +132,9 @@ def test_the_run_folder_is_written_before_the_end_waits_on_a_stopped_worker_at_t
     run = tmp_path / "run"
     args = train_command(_launcher(MPICH), tmp_path, 4, "sync=async", "optimizer=sgd", "checkpoint.every=50")
     proc, err, reader = watched([*args, f"steps={steps}"], tmp_path, MPICH.env)
-    pids: list[int] = []
-    try:
+    with ended(proc) as pids:
         when_checkpointed(run, proc, err, 100)
-        pids = rank_pids(f"hydra.run.dir={run}", 2)
+        pids += rank_pids(f"hydra.run.dir={run}", 2)
         assert pids, "rank 2 not found"
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
@@ -151,11 +150,6 @@ def test_the_run_folder_is_written_before_the_end_waits_on_a_stopped_worker_at_t
             os.kill(pid, signal.SIGCONT)
         proc.wait(timeout=120)
         reader.join(timeout=10)
-    finally:
-        end(pids)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
     text = "".join(err)
     assert proc.returncode == 0, text[-3000:]
     final = json.loads((run / "summary.json").read_text())

@@ -20,9 +20,10 @@ pytestmark = [
 ]
 
 DEADLINE = 10
-# Paced (100 ms of injected compute a step, no other straggling): the stop lands between two rounds, as in the
-# API's test. A rank stopped inside a round it counts in (holding its block of the ring's sum) ends the run naming
-# it, under either front (README, Lost workers): the transport cannot finish that round without it.
+# Paced (100 ms of injected compute a step, no other straggling) and the stop timed inside that compute
+# (`between_rounds`: the rank seen asleep there): the stop lands between two rounds, as in the API's test. A rank
+# stopped inside a round it counts in (holding its block of the ring's sum) ends the run naming it, under either
+# front (README, Lost workers): the transport cannot finish that round without it.
 PACED = ["stragglers=none", "runtime.inject_stragglers=true", "runtime.time_scale=0.1"]
 BACKUP = ["runtime=partial", "sync=backup", "optimizer=sgd", f"sync.deadline={DEADLINE}", "checkpoint.every=50", *PACED]
 # What the run says where the stop landed inside a round (the limitation above): "round 121 is being summed ...".
@@ -36,7 +37,9 @@ def test_backup_over_the_partial_allreduce_goes_on_without_a_stopped_rank(tmp_pa
     for attempt in range(3):  # again only where the stop landed inside a round (the limitation above)
         run = tmp_path / str(attempt)
         run.mkdir()
-        hit = run_hitting(MPICH, run, 4, [*BACKUP, "sync.backups=1"], steps, [(100, 2, signal.SIGSTOP)], BOUND)
+        hit = run_hitting(
+            MPICH, run, 4, [*BACKUP, "sync.backups=1"], steps, [(100, 2, signal.SIGSTOP)], BOUND, between_rounds=True
+        )
         if hit.returncode != 2 or INSIDE_A_ROUND not in hit.stderr:
             break
     assert hit.returncode == 0, hit.stderr[-3000:]

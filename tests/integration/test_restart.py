@@ -38,22 +38,16 @@ def _restarted(tmp_path: Path, ranks: int, overrides: list[str], hit: int, sig: 
     job += [f"steps={STEPS}", "checkpoint.every=50", "checkpoint.seconds=null", "optimizer=sgd", *overrides]
     args = [sys.executable, "-m", "collsync.supervise", "-n", str(ranks), "--max-restarts", "1", "--", *job]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    pids: list[int] = []
-    try:
+    with hits.ended(proc) as pids:
         end = time.monotonic() + 180
         while not (run / "checkpoint.pt").exists():
             assert proc.poll() is None and time.monotonic() < end, proc.communicate(timeout=60)[1][-3000:]
             time.sleep(0.02)
-        pids = hits.rank_pids(f"hydra.run.dir={run}", hit)
+        pids += hits.rank_pids(f"hydra.run.dir={run}", hit)
         assert pids, f"rank {hit} not found"
         for pid in pids:
             os.kill(pid, sig)
         _, err = proc.communicate(timeout=300)
-    finally:
-        hits.end(pids)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     return json.loads((run / "summary.json").read_text()), err
 

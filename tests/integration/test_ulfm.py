@@ -25,7 +25,7 @@ from tests.integration.hits import (
     ROOT,
     Hit,
     Launcher,
-    end,
+    ended,
     rank_pids,
     run_hitting,
     train_command,
@@ -94,10 +94,10 @@ def _went_on_in_place(hit: Hit, steps: int, killed: int) -> int:
 
 
 def test_collsync_train_allreduce_goes_on_in_place_without_a_killed_rank(tmp_path: Path) -> None:
-    """`runtime=allreduce sync=bsp` at -n 4, rank 2 killed once the run is past update 100 of 300: every update
+    """`runtime=allreduce sync=bsp` at -n 4, rank 2 killed once the run is past update 100 of 200: every update
     is applied, those after the loss by the 3 left (a `lost` then a `world` event), the trace checks out, no
     `resume` event (nothing read back), `lost` in the summary, exit 0."""
-    steps = 300
+    steps = 200
     overrides = ["runtime=allreduce", "sync=bsp", "optimizer=sgd", "checkpoint.every=50"]
     hit = run_hitting(ULFM, tmp_path, 4, overrides, steps, [(100, 2, signal.SIGKILL)], BOUND_S)
     at = _went_on_in_place(hit, steps, killed=2)
@@ -112,11 +112,11 @@ def test_collsync_train_allreduce_goes_on_in_place_without_a_killed_rank(tmp_pat
 
 def test_collsync_train_partial_goes_on_in_place_without_a_killed_rank(tmp_path: Path) -> None:
     """`runtime=partial sync=backup sync.backups=1` at -n 4 (the windows' k-of-n rounds; `sync=bsp`'s rounds are
-    allreduces, whose failure MPI reports itself), rank 3 killed past update 100 of 300: the failure is seen at once
+    allreduces, whose failure MPI reports itself), rank 3 killed past update 100 of 200: the failure is seen at once
     (no deadline wait: the default 600 s), the others shrink, agree on the step and go on with a new partial
     allreduce on 3 ranks, every update applied (a `lost` then a `world` event, every later round's contributors
     among the 3 left, the quorum n' - b = 2), the trace checks out, no `resume` event, `lost` in the summary, exit 0."""
-    steps, killed, sync = 300, 3, ["sync=backup", "sync.backups=1"]
+    steps, killed, sync = 200, 3, ["sync=backup", "sync.backups=1"]
     overrides = ["runtime=partial", *sync, "optimizer=sgd", "checkpoint.every=50"]
     hit = run_hitting(ULFM, tmp_path, 4, overrides, steps, [(100, killed, signal.SIGKILL)], BOUND_S)
     at = _went_on_in_place(hit, steps, killed)
@@ -136,21 +136,15 @@ def test_collsync_train_refuses_to_go_on_without_rank_0_in_one_line(tmp_path: Pa
     not waited out), the last checkpoint left for `collsync-run`."""
     args = train_command(ULFM, tmp_path, 4, "runtime=allreduce", "sync=bsp", "checkpoint.every=50", "steps=300")
     proc, err, reader = watched(args, tmp_path, ULFM.env)
-    pids: list[int] = []
-    try:
+    with ended(proc) as pids:
         when_checkpointed(tmp_path / "run", proc, err, 100)
-        pids = rank_pids(f"hydra.run.dir={tmp_path / 'run'}", 0)
+        pids += rank_pids(f"hydra.run.dir={tmp_path / 'run'}", 0)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         proc.wait(timeout=120)
         took = time.monotonic() - start
         reader.join(timeout=10)
-    finally:
-        end(pids)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
     text = "".join(err)
     assert proc.returncode == 2, text[-3000:]
     said = [line for line in text.splitlines() if "died" in line]
