@@ -64,6 +64,21 @@ def transmit(c_push: float | None, c_fetch: float | None) -> Transmit | None:
     return None if c_push is None and c_fetch is None else Transmit(c_push, c_fetch)
 
 
+def push_quorum(fraction: float, workers: int) -> int:
+    """PSP's c from a fraction of the n workers: floor(fraction x n), at least 1, and below n unless fraction is 1.
+
+    003_... §2.3 and Alg. 1 (server lines 5-12) wait for "the first m <= k workers" and drop the rest: the partial
+    push is what lets a round go on without its slowest worker. Its setting, c = 28 of 32, is 0.875 x 32 exactly,
+    so the paper fixes no rounding; rounding up would make c = n wherever fraction x n > n - 1 (0.875 of 4 to 7
+    workers), a bsp round with a drop rule. Rounding down keeps a fraction below 1 a partial push at any n > 1
+    (0.875 of 4 is 3), and agrees with the paper's 28 of 32.
+    """
+    c = math.floor(fraction * workers + 1e-9)  # 0.875 x 32 = 28.000000000000004 or 27.99...: the same 28
+    if fraction < 1.0 and workers > 1:
+        c = min(c, workers - 1)
+    return max(1, c)
+
+
 @dataclass(frozen=True)
 class SyncPolicy:
     """How workers and the server synchronise. Build one with `bsp`, `backup`, `asynchronous` or `ssp`."""
@@ -153,8 +168,8 @@ class SyncPolicy:
         """The number of gradients one update averages (the divisor N of 000_... Alg. 4)."""
         if self.quorum is not None:
             return self.quorum
-        if self.push_fraction is not None:  # c = ceil(fraction x n), at least one gradient
-            return max(1, math.ceil(self.push_fraction * workers - 1e-9))
+        if self.push_fraction is not None:
+            return push_quorum(self.push_fraction, workers)
         return workers - self.backups if self.rounds else 1
 
     def tolerates(self, lost: int, workers: int) -> bool:
@@ -268,7 +283,8 @@ def psp(
 
     Partial push (server lines 5-12): round t is applied once `pushes` (c) gradients of round t came and then either
     every worker responded or `timeout` (tau1) seconds passed; gradients of earlier rounds are dropped. `pushes`
-    None takes c = ceil(`push_fraction` x n) instead (None: every worker). Partial pull (worker lines 8-15): with
+    None takes c = floor(`push_fraction` x n) instead (`push_quorum`: at least 1, below n while the fraction is
+    below 1; None: every worker). Partial pull (worker lines 8-15): with
     M >= 2 server shards (`runtime.servers=M`), a worker starts once `pull_fraction` (b) of the shards have the
     round it needs, waiting at most `pull_timeout` (tau2) seconds more for the rest. The paper's learning rate
     scaled by the number d of aggregated gradients is `linear_scaling=true` (eta tuned for c). The defaults are
