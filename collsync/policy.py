@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from collsync.deadline import DEADLINE as DEADLINE  # the default deadline (a module of its own: no torch)
@@ -188,6 +189,19 @@ class SyncPolicy:
         if self.backups:
             return lost <= self.backups
         return bool(self.max_lead) or self.timeout is not None or self.quorum_for(workers) < workers
+
+    def least_version(self, clock: int) -> int:
+        """The first version on which a worker that pushed round `clock` may compute its next (`may_start`)."""
+        return clock + 1 - (self.max_lead or 0) if self.rounds else 0
+
+    def sent(self) -> Callable[[int], int] | None:
+        """What the servers send a worker after its push (`runtime.mpi_sent`): the first version >= its
+        `least_version`, for a round policy (a worker reads right after each push; no read without one). None
+        where workers pull: stream policies (each update sent to every worker would be n times the traffic) and
+        SpecSync (a re-sync reads with no push before it)."""
+        if not self.rounds or self.speculation is not None or self.transmit is not None:
+            return None
+        return self.least_version
 
     def may_start(self, clock: int, version: int) -> bool:
         """Whether a worker may compute the gradient of round `clock` on parameters at server `version`."""
