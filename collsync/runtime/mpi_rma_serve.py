@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, cast
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -214,6 +215,9 @@ class ServedWindow(Windows):
                 return None
             if self.outbox is not None:
                 self.outbox.pump()
+                if self.outbox.hurry():
+                    os.sched_yield()  # the delivery moves only while we call MPI (`mpi_sent.HURRY_S`)
+                    continue
             backoff.wait()
 
     def publish(self, params: Flat, stamp: Stamp) -> None:
