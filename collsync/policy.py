@@ -66,18 +66,18 @@ def transmit(c_push: float | None, c_fetch: float | None) -> Transmit | None:
 
 
 def push_quorum(fraction: float, workers: int) -> int:
-    """PSP's c from a fraction of the n workers: floor(fraction x n), at least 1, and below n unless fraction is 1.
+    """PSP's c from a fraction of the n workers: ceil(fraction x n), at least 1.
 
-    003_... §2.3 and Alg. 1 (server lines 5-12) wait for "the first m <= k workers" and drop the rest: the partial
-    push is what lets a round go on without its slowest worker. Its setting, c = 28 of 32, is 0.875 x 32 exactly,
-    so the paper fixes no rounding; rounding up would make c = n wherever fraction x n > n - 1 (0.875 of 4 to 7
-    workers), a bsp round with a drop rule. Rounding down keeps a fraction below 1 a partial push at any n > 1
-    (0.875 of 4 is 3), and agrees with the paper's 28 of 32.
+    003_... §2.3 and Alg. 1 (server lines 5-12) wait for "the first m <= k workers"; its setting, c = 28 of 32, is
+    0.875 x 32 exactly, so the paper fixes no rounding. Rounding up makes c = n wherever fraction x n > n - 1 (0.875
+    of 4 to 7 workers: psp's rounds then wait for every push), and is kept for that: rounding down (3 of 4) left a
+    Horovod-style script's psp across hosts stuck at its end. With torch's fixed shards every worker owes its whole
+    shard, and the worker left out of rounds (the one behind the slow link) still had batches when the others had
+    finished theirs and waited in the script's final allreduce: its rounds could no longer reach c, and nothing
+    ends a round short of c without `timeout` (benchmarks/README.md, "Server-sent parameters of the round modes").
+    Give `pushes` (or `timeout`, PSP's tau1) for a partial push at small n.
     """
-    c = math.floor(fraction * workers + 1e-9)  # 0.875 x 32 = 28.000000000000004 or 27.99...: the same 28
-    if fraction < 1.0 and workers > 1:
-        c = min(c, workers - 1)
-    return max(1, c)
+    return max(1, math.ceil(fraction * workers - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -297,8 +297,8 @@ def psp(
 
     Partial push (server lines 5-12): round t is applied once `pushes` (c) gradients of round t came and then either
     every worker responded or `timeout` (tau1) seconds passed; gradients of earlier rounds are dropped. `pushes`
-    None takes c = floor(`push_fraction` x n) instead (`push_quorum`: at least 1, below n while the fraction is
-    below 1; None: every worker). Partial pull (worker lines 8-15): with
+    None takes c = ceil(`push_fraction` x n) instead (`push_quorum`, which says why not floor; None: every
+    worker). Partial pull (worker lines 8-15): with
     M >= 2 server shards (`runtime.servers=M`), a worker starts once `pull_fraction` (b) of the shards have the
     round it needs, waiting at most `pull_timeout` (tau2) seconds more for the rest. The paper's learning rate
     scaled by the number d of aggregated gradients is `linear_scaling=true` (eta tuned for c). The defaults are
