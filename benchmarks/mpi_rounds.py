@@ -1,6 +1,7 @@
-"""Round trips of a worker's round through the servers' windows (issue 33, item 3): bsp, ssp and psp rounds.
+"""Round trips of a worker's round through the servers (issue 33, items 1 and 3): bsp, ssp and psp rounds.
 
     .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/mpi_rounds.py [--servers 1] [--numel 262144] [--steps 60]
+        [--window]
 
 Ranks 0..M-1 serve one shard each (`runtime.mpi_shards`), the others are workers running `loops.run_worker` with
 a gradient that costs `--compute` ms (the last worker `--slow` times that: the straggler every round waits for or
@@ -8,7 +9,9 @@ drops). Each worker counts its one-sided calls (`ShardedMailbox.count`, `mpi_win
 run; reported per round (one pull and one push) and worker: round trips (every `Flush`), the protocol's own (those
 not spent in a try that found the server not ready yet), the polls that waited, remote calls and the bytes moved,
 and the run's wall time per update. The policies run one after the other in one launch, each `--repeats` times in
-an order shuffled per repeat (the same on every rank), so that none always runs first.
+an order shuffled per repeat (the same on every rank), so that none always runs first. The shards are opened as
+both fronts open them, the servers sending each worker its parameters (`runtime.mpi_sent`); `--window`: the
+workers poll the windows and Get them instead (what stream policies do), for a comparison in one launch.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def one_run(comm: MPI.Intracomm, policy: SyncPolicy, args: argparse.Namespace) -
     servers, numel = args.servers, args.numel
     workers = comm.Get_size() - servers
     bounds = shard_bounds(numel, servers)
-    shards = open_shards(comm, numel, servers)
+    shards = open_shards(comm, numel, servers, sends=None if args.window else policy.sent())
     rank = comm.Get_rank()
     result = None
     comm.Barrier()
@@ -73,6 +76,7 @@ def one_run(comm: MPI.Intracomm, policy: SyncPolicy, args: argparse.Namespace) -
             "polls": counts.waits / rounds,
             "poll_round_trips": counts.poll_trips / rounds,
             "remote_ops": counts.remote_ops / rounds,
+            "messages": (counts.ops["Isend"] + counts.ops["Irecv"]) / rounds,
             "MB": counts.data_bytes / rounds / 1e6,
         }
     elapsed = time.perf_counter() - started
@@ -92,6 +96,7 @@ def main() -> None:
     parser.add_argument("--compute", type=float, default=5.0, help="ms a gradient takes")
     parser.add_argument("--slow", type=float, default=2.0, help="the last worker's gradient takes this many times")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--window", action="store_true", help="workers pull through the windows (no server-sent)")
     parser.add_argument("--only", nargs="*", default=None, help="policies to run (bsp, ssp, psp)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mpi_rounds.json")
     args = parser.parse_args()
@@ -110,7 +115,8 @@ def main() -> None:
                 runs[name].append([g for g in got if g is not None])
     if comm.Get_rank() != 0:
         return
-    keys = ("round_trips", "protocol_round_trips", "polls", "poll_round_trips", "remote_ops", "MB", "ms_per_update")
+    keys = ("round_trips", "protocol_round_trips", "polls", "poll_round_trips", "remote_ops", "messages", "MB")
+    keys += ("ms_per_update",)
     summary = {
         name: {
             # Per worker (in worker order), each the median over the repeats.
@@ -122,7 +128,7 @@ def main() -> None:
     out = {
         "command": f"mpiexec -n {comm.Get_size()} python benchmarks/mpi_rounds.py --servers {args.servers} "
         f"--numel {args.numel} --steps {args.steps} --compute {args.compute} --slow {args.slow} "
-        f"--repeats {args.repeats}",
+        f"--repeats {args.repeats}" + (" --window" if args.window else ""),
         "mpi": MPI.Get_library_version().splitlines()[0],
         "per_round": summary,
         "runs": runs,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from collsync.deadline import DEADLINE as DEADLINE  # the default deadline (a module of its own: no torch)
@@ -62,6 +63,21 @@ class Transmit:
 def transmit(c_push: float | None, c_fetch: float | None) -> Transmit | None:
     """The `Transmit` of these probabilities' constants, or None when both are None (every push and fetch made)."""
     return None if c_push is None and c_fetch is None else Transmit(c_push, c_fetch)
+
+
+def push_quorum(fraction: float, workers: int) -> int:
+    """PSP's c from a fraction of the n workers: ceil(fraction x n), at least 1.
+
+    003_... §2.3 and Alg. 1 (server lines 5-12) wait for "the first m <= k workers"; its setting, c = 28 of 32, is
+    0.875 x 32 exactly, so the paper fixes no rounding. Rounding up makes c = n wherever fraction x n > n - 1 (0.875
+    of 4 to 7 workers: psp's rounds then wait for every push), and is kept for that: rounding down (3 of 4) left a
+    Horovod-style script's psp across hosts stuck at its end. With torch's fixed shards every worker owes its whole
+    shard, and the worker left out of rounds (the one behind the slow link) still had batches when the others had
+    finished theirs and waited in the script's final allreduce: its rounds could no longer reach c, and nothing
+    ends a round short of c without `timeout` (benchmarks/README.md, "Server-sent parameters of the round modes").
+    Give `pushes` (or `timeout`, PSP's tau1) for a partial push at small n.
+    """
+    return max(1, math.ceil(fraction * workers - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -153,8 +169,8 @@ class SyncPolicy:
         """The number of gradients one update averages (the divisor N of 000_... Alg. 4)."""
         if self.quorum is not None:
             return self.quorum
-        if self.push_fraction is not None:  # c = ceil(fraction x n), at least one gradient
-            return max(1, math.ceil(self.push_fraction * workers - 1e-9))
+        if self.push_fraction is not None:
+            return push_quorum(self.push_fraction, workers)
         return workers - self.backups if self.rounds else 1
 
     def tolerates(self, lost: int, workers: int) -> bool:
@@ -173,6 +189,19 @@ class SyncPolicy:
         if self.backups:
             return lost <= self.backups
         return bool(self.max_lead) or self.timeout is not None or self.quorum_for(workers) < workers
+
+    def least_version(self, clock: int) -> int:
+        """The first version on which a worker that pushed round `clock` may compute its next (`may_start`)."""
+        return clock + 1 - (self.max_lead or 0) if self.rounds else 0
+
+    def sent(self) -> Callable[[int], int] | None:
+        """What the servers send a worker after its push (`runtime.mpi_sent`): the first version >= its
+        `least_version`, for a round policy (a worker reads right after each push; no read without one). None
+        where workers pull: stream policies (each update sent to every worker would be n times the traffic) and
+        SpecSync (a re-sync reads with no push before it)."""
+        if not self.rounds or self.speculation is not None or self.transmit is not None:
+            return None
+        return self.least_version
 
     def may_start(self, clock: int, version: int) -> bool:
         """Whether a worker may compute the gradient of round `clock` on parameters at server `version`."""
@@ -268,7 +297,8 @@ def psp(
 
     Partial push (server lines 5-12): round t is applied once `pushes` (c) gradients of round t came and then either
     every worker responded or `timeout` (tau1) seconds passed; gradients of earlier rounds are dropped. `pushes`
-    None takes c = ceil(`push_fraction` x n) instead (None: every worker). Partial pull (worker lines 8-15): with
+    None takes c = ceil(`push_fraction` x n) instead (`push_quorum`, which says why not floor; None: every
+    worker). Partial pull (worker lines 8-15): with
     M >= 2 server shards (`runtime.servers=M`), a worker starts once `pull_fraction` (b) of the shards have the
     round it needs, waiting at most `pull_timeout` (tau2) seconds more for the rest. The paper's learning rate
     scaled by the number d of aggregated gradients is `linear_scaling=true` (eta tuned for c). The defaults are

@@ -84,7 +84,7 @@ class ShardEngine:
         if sv.dedicated:
             self.train_comm = comm.Split(int(self.scheduling), rank)
         if not self.scheduling:
-            self.shards = Shards(self.train_comm, sv.numel, sv.servers, sv.dtype)
+            self.shards = Shards(self.train_comm, sv.numel, sv.servers, sv.dtype, sv.policy.sent())
         self._open_more()
         self.spec_comm = comm.Dup() if sv.policy.speculation is not None else None
         if not self.scheduling:

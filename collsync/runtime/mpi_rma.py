@@ -11,7 +11,10 @@ Every access is an RMA call inside one `Lock_all` epoch, completed with `Flush`,
 by atomics (`collsync.runtime.mpi_windows`), so neither side ever waits for the other to call MPI and a flag is
 never read half-written. A worker's round is four round trips when nothing has to be waited for (push 1, pull 3),
 a poll one (`benchmarks/mpi_rounds.py` counts them); MPI orders no two operations of one `Flush` but those on the
-same word, which is what the seqlock's and the flag's extra round trips are for.
+same word, which is what the seqlock's and the flag's extra round trips are for. Under a round policy (`sends`) the
+server sends each worker the parameters it waits for instead, and the flag is a message (`runtime.mpi_sent`): a
+round is the push's one round trip, the pull a local test; the window still holds every publish (the first
+read's fallback, evaluators' `snapshot`, PSP's stale blocks) and the slot word then counts the pushes dealt with.
 
 * publish (server): seq <- seq + 1 (odd: writing); Put params; version, done, signal; seq <- seq + 1 (even). The
   signal (`Stamp.signal`, a float64's bits in an int64 word) is whatever scalar the server's optimizer publishes.
@@ -36,135 +39,19 @@ same word, which is what the seqlock's and the flag's extra round trips are for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
-
-if TYPE_CHECKING:
-    from mpi4py import MPI
-
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
-import torch
 
-from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
+from collsync.runtime.mpi_rma_serve import ServedWindow
+from collsync.runtime.mpi_sent import as_float
 from collsync.types import Arrival, Flat, Stamp
 
-_HDR = 4  # seq, version, done, signal (float64 bits)
-_SLOT = 4  # full, version, clock, finished
 
-
-def _as_int(x: float) -> int:
-    """A float64's bits as an int64 (the control window holds int64 words; the stamp's signal rides in one)."""
-    return int(np.array([x], dtype=np.float64).view(np.int64)[0])
-
-
-def _as_float(bits: int) -> float:
-    return float(np.array([bits], dtype=np.int64).view(np.float64)[0])
-
-
-class WindowMailbox(Windows):
-    """Collective constructor over `comm`: `server_rank` hosts the windows; `workers` lists the worker ranks in
-    worker order (default: every other rank). Ranks that are neither (other shards' servers) expose nothing and
-    may only `snapshot` the published parameters."""
-
-    def __init__(
-        self,
-        comm: MPI.Comm,
-        numel: int,
-        *,
-        server_rank: int = 0,
-        workers: Sequence[int] | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        from mpi4py import MPI  # lazily: collsync imports without an MPI library
-
-        self.MPI = MPI
-        self.comm = comm
-        self.numel = numel
-        self.server = server_rank
-        self.dtype = dtype
-        size, rank = comm.Get_size(), comm.Get_rank()
-        self.is_server = rank == server_rank
-        ranks = [r for r in range(size) if r != server_rank] if workers is None else list(workers)
-        if server_rank in ranks or not 0 <= server_rank < size:
-            raise ValueError(f"mpi: server rank {server_rank} must be a rank of the world and not a worker")
-        self.workers = len(ranks)
-        self.worker = ranks.index(rank) if rank in ranks else -1
-        self.worker_ranks = ranks
-        self.hosts: list[str] | None = None  # every rank's host name, where the opener gathered them (Shards)
-        self._np = np.float32 if dtype == torch.float32 else np.float64
-        self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
-        item = np.dtype(self._np).itemsize
-        host = self.is_server
-        intra = cast("MPI.Intracomm", comm)  # windows need an intracommunicator: every communicator here is one
-        self._block = -(-numel * item // 8)  # one block of floats in words, rounded up: each starts on a word
-        self._params_at = _HDR + _SLOT * self.workers
-        self._slots_at = self._params_at + self._block
-        words = self._slots_at + self.workers * self._block
-        self.win_box = MPI.Win.Allocate(words * 8 if host else 0, 8, comm=intra)
-        self._wins = (self.win_box,)
-        if host:
-            for win in self._wins:
-                mem = np.frombuffer(cast(Any, win.tomemory()), dtype=np.uint8)  # mpi4py types its buffer loosely
-                mem[:] = 0
-        comm.Barrier()  # the zeroed memory is in place before anyone reads it
-        for win in self._wins:
-            win.Lock_all()
-        self._ctrl = Words(self.win_box, server_rank)
-        self._hdr = np.zeros(_HDR, dtype=np.int64)
-        self._pair = np.zeros(2, dtype=np.int64)  # a slot's (version, clock)
-        self._full = np.zeros(1, dtype=np.int64)  # worker: its slot's flag, read and written with other words
-        self._free = True  # worker: its slot is known to be free (a read saw it freed since the last push)
-        self._seq = 0
-        self._next = 0
-        self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
-        self._spare: list[torch.Tensor] = []  # server: receive buffers handed back by `recycle`
-        self._sent = False  # worker: a push whose slot the server has not freed yet
-        self.poll_cap = poll_cap(comm)  # the longest pause between two polls (seconds)
-        self._backoff = Backoff(cap=self.poll_cap)
-        # Worker: give up once the server has shown no sign of life (no publish, our push not taken) for this long.
-        self.silence: float | None = None
-        self._heard = (-1, time.monotonic())  # (the last header seq seen, when it was first seen)
-        # When a round trip to the server last completed (a control word read): a worker's watchdog thread reads it
-        # to tell a worker blocked inside MPI towards an unreachable server (`collsync.runtime.watchdog`).
-        self.answered = time.monotonic()
-        self.bytes_pushed = 0
-        self.bytes_fetched = 0
-
-    # -- control words (atomics) -------------------------------------------------------------------------------
-    def _load(self, disp: int) -> int:
-        value = self._ctrl.load(disp)
-        self.answered = time.monotonic()
-        return value
-
-    def _load_header(self) -> np.ndarray:
-        """seq, version, done, signal in one atomic-per-word read, not four round trips."""
-        header = self._ctrl.load_many(0, self._hdr)
-        self.answered = time.monotonic()
-        return header
-
-    def _poll(self) -> np.ndarray:
-        """The header and, after a push, this worker's `full` into `_full`: one round trip (one Flush for both reads,
-        and for the push's flag where `send` left it posted)."""
-        self._ctrl.load_many(0, self._hdr, flush=False)
-        if self._sent:
-            self._ctrl.load_many(self._slot(self.worker), self._full, flush=False)
-        self.win_box.Flush(self.server)
-        self.answered = time.monotonic()
-        return self._hdr
-
-    def _store(self, disp: int, value: int) -> None:
-        self._ctrl.store(disp, value)
-
-    def _slot(self, worker: int) -> int:
-        return _HDR + _SLOT * worker
-
-    def target(self, worker: int | None = None) -> tuple[int, int, Any]:
-        """Where the published parameters (None) or `worker`'s gradient slot lie in the window: an RMA target."""
-        at = self._params_at if worker is None else self._slots_at + worker * self._block
-        return (at, self.numel, self._mpi_t)
+class WindowMailbox(ServedWindow):
+    """The server's window (`ServedWindow`: its constructor, collective over `comm`, and the server's side) with
+    the workers' side: `read`, `send` and `leave`."""
 
     # -- worker side -------------------------------------------------------------------------------------------
     def read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp:
@@ -195,11 +82,17 @@ class WindowMailbox(Windows):
         if seq != self._heard[0]:
             self._heard = (seq, time.monotonic())
 
-    def try_read(self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True) -> Stamp | None:
+    def try_read(
+        self, out: Flat, ready: Callable[[Stamp], bool], fetch: bool = True, *, window: bool = False
+    ) -> Stamp | None:
         """One look: None if nothing is published or the stamp is not `ready` (then `out` is untouched); else the
         stamp, with the parameters copied into `out` (a copy torn by a concurrent publish is retried until clean:
-        versions only grow, so the newer one is ready too)."""
+        versions only grow, so the newer one is ready too). With server-sent parameters, the first read and each
+        read after a push look at the delivery instead (no round trip); `window`: the window all the same."""
         buf = out.detach().numpy()
+        if self.inbox is not None and not window and (self._sent or not self._read_once):
+            return self._try_inbox(buf, ready, fetch)
+        self._read_once = True
         torn = False  # `out` holds a copy torn by a publish: retry until it is clean, never hand it back as is
         while True:
             seq, version, done, signal = (int(x) for x in self._poll())
@@ -209,7 +102,7 @@ class WindowMailbox(Windows):
                 continue
             if seq == 0 or seq % 2:  # 0: nothing published yet; odd: a publish is under way
                 return None
-            stamp = Stamp(version, bool(done), _as_float(signal))
+            stamp = Stamp(version, bool(done), as_float(signal))
             if stamp.done:
                 if self.worker >= 0:
                     self._store(self._slot(self.worker) + 3, 1)  # finished: close() stops waiting for us
@@ -217,7 +110,7 @@ class WindowMailbox(Windows):
             if self._sent:
                 # Read your own writes, as a parameter server answers a push with the parameters it produced
                 # (001_... Alg. 1-2) and as the simulator does: wait until the server dealt with our last push.
-                if int(self._full[0]) != 0:
+                if not self._freed(int(self._full[0])):
                     return None
                 self._sent, self._free = False, True
                 # The header came in the same round trip, perhaps read before the publish that freed the slot: a
@@ -234,6 +127,35 @@ class WindowMailbox(Windows):
                 return stamp
             torn = True
 
+    def _freed(self, full: int) -> bool:
+        """Worker: the slot's word says the server dealt with our last push (0; with server-sent parameters, the
+        word counts the pushes dealt with)."""
+        return full >= self._posts if self.inbox is not None else full == 0
+
+    def _try_inbox(self, buf: np.ndarray, ready: Callable[[Stamp], bool], fetch: bool) -> Stamp | None:
+        """The delivery that follows our last push, if it came (a local test); a quiet server's header is looked at
+        once a second, for `check_alive`. A delivery not `ready` (never, where the server's bound is the policy's)
+        sends the next reads to the window."""
+        assert self.inbox is not None
+        self.answered = now = time.monotonic()  # not blocked in MPI: the watchdog has nothing to see
+        stamp = self.inbox.take(self._posts)
+        if stamp is None:
+            if now - self._heard[1] >= 1.0:
+                self._saw(int(self._load_header()[0]))
+            return None
+        self._heard = (-1, now)
+        self._read_once = True
+        if stamp.done:
+            self._store(self._slot(self.worker) + 3, 1)  # finished: close() stops waiting for us
+            return stamp
+        self._sent, self._free = False, True
+        if not ready(stamp):
+            return None
+        if fetch:
+            buf[:] = self.inbox.data
+            self.bytes_fetched += buf.nbytes
+        return stamp
+
     def snapshot(self, out: Flat) -> Stamp:
         """The parameters last published, copied into `out` (any rank, e.g. an evaluator; never marks finished)."""
         backoff = self._backoff
@@ -241,7 +163,7 @@ class WindowMailbox(Windows):
         while True:
             seq, version, done, signal = (int(x) for x in self._load_header())
             if seq > 0 and seq % 2 == 0 and self._get_params(out.detach().numpy(), seq):
-                return Stamp(version, bool(done), _as_float(signal))
+                return Stamp(version, bool(done), as_float(signal))
             backoff.wait()
 
     def _get_params(self, buf: np.ndarray, seq: int) -> bool:
@@ -253,7 +175,7 @@ class WindowMailbox(Windows):
     def peek(self) -> Stamp:
         """The stamp last published (possibly mid-publish: for polling only, never to read parameters by)."""
         _, version, done, signal = (int(x) for x in self._load_header())
-        return Stamp(version, bool(done), _as_float(signal))
+        return Stamp(version, bool(done), as_float(signal))
 
     def send(self, arrival: Arrival, *, read_next: bool = False) -> None:
         """Hand the gradient to the server: `post` and `complete` (a `ShardedMailbox` posts to every shard first)."""
@@ -265,7 +187,7 @@ class WindowMailbox(Windows):
         completed."""
         slot = self._slot(self.worker)
         self._backoff.reset()
-        while not self._free and self._load(slot) != 0:
+        while not self._free and not self._freed(self._load(slot)):
             self._saw(int(self._load_header()[0]))
             self.check_alive()
             self._backoff.wait()
@@ -277,6 +199,7 @@ class WindowMailbox(Windows):
         self._ctrl.store_many(slot + 1, self._pair, flush=False)
         self._full[0] = 1 if arrival.grad is not None else 2  # 2 = header only
         self._free = False
+        self._posts += 1
 
     def complete(self, *, read_next: bool = False) -> None:
         """The second half of `send`: one Flush for the gradient and its header (a round trip, and off shared memory
@@ -284,7 +207,10 @@ class WindowMailbox(Windows):
         after) the flag is only posted: the read's first poll completes it in its own round trip."""
         self.win_box.Flush(self.server)
         # Last: the data and header are complete at the target before the flag says so.
-        self._ctrl.store_many(self._slot(self.worker), self._full, flush=not read_next)
+        if self.inbox is not None:
+            self.inbox.post_flag(int(self._full[0]))  # a message: nothing for the read to complete
+        else:
+            self._ctrl.store_many(self._slot(self.worker), self._full, flush=not read_next)
         self._sent = True
 
     def leave(self) -> None:
@@ -292,103 +218,3 @@ class WindowMailbox(Windows):
         stops once the policy can go on without it; `close()` stops waiting for it."""
         if self.worker >= 0:
             self._store(self._slot(self.worker) + 3, 1)
-
-    # -- server side -------------------------------------------------------------------------------------------
-    def describe(self, workers: list[int]) -> str:
-        """'worker 1 (rank 2 on node17)', ...: how errors name workers, by rank and host."""
-        named = []
-        for w in workers:
-            rank = self.worker_ranks[w]
-            host = f" on {self.hosts[rank]}" if self.hosts is not None else ""
-            named.append(f"worker {w} (rank {rank}{host})")
-        return ", ".join(named)
-
-    def departed(self) -> list[int]:
-        """Server: the workers that left (or read the final `done`)."""
-        return [w for w in range(self.workers) if self._load(self._slot(w) + 3)]
-
-    def _take(self, w: int, defer: bool = False) -> Arrival | None:
-        slot = self._slot(w)
-        full = self._load(slot)
-        if full == 0:
-            return None
-        grad = None
-        if full == 1:
-            grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
-            self.win_box.Get([grad.numpy(), self._mpi_t], self.server, target=self.target(w))
-        self._ctrl.load_many(slot + 1, self._pair, flush=False)
-        self.win_box.Flush(self.server)
-        version, clock = int(self._pair[0]), int(self._pair[1])
-        if defer:
-            self._taken.append(w)
-        else:
-            self._store(slot, 0)
-        return Arrival(w, version, grad, clock)
-
-    def recycle(self, grad: Flat | None) -> None:
-        """Server: a received gradient the server no longer holds (`Server.holds`): its buffer takes the next
-        receive instead of a fresh allocation. Two are kept: one in use and one being filled."""
-        if grad is not None and len(self._spare) < 2 and grad.numel() == self.numel and grad.dtype == self.dtype:
-            self._spare.append(grad)
-
-    def _release(self) -> None:
-        """Free the slots taken since the last publish or recv: the server has dealt with those gradients (and
-        published what they changed), so their workers may read."""
-        for w in self._taken:
-            self._store(self._slot(w), 0)
-        self._taken.clear()
-
-    def recv(self, timeout: float | None = None) -> Arrival | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._release()  # the previous arrival was accepted (and published, if it changed the parameters)
-        backoff = self._backoff
-        backoff.reset()
-        while True:
-            for i in range(self.workers):
-                w = (self._next + i) % self.workers
-                arrival = self._take(w, defer=True)
-                if arrival is not None:
-                    self._next = (w + 1) % self.workers
-                    return arrival
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-            backoff.wait()
-
-    def publish(self, params: Flat, stamp: Stamp) -> None:
-        self._seq += 1
-        self._store(0, self._seq)
-        buf = params.detach().to(self.dtype).contiguous().numpy()
-        self.win_box.Put([buf, self._mpi_t], self.server, target=self.target())
-        self.win_box.Flush(self.server)
-        self._ctrl.store_many(1, np.array([stamp.version, int(stamp.done), _as_int(stamp.signal)], dtype=np.int64))
-        self._seq += 1
-        self._store(0, self._seq)
-        self._release()
-
-    def locate(self, worker: int) -> tuple[int | None, str | None]:
-        """Server: this worker's rank and host (None where the hosts were not gathered)."""
-        rank = self.worker_ranks[worker]
-        return rank, None if self.hosts is None else self.hosts[rank]
-
-    def close(self, timeout: float | None = None, lost: Sequence[int] = ()) -> list[Arrival]:
-        # The last arrival `recv` returned was accepted: free its slot now, or it would be taken a second time here.
-        self._release()
-        left: list[Arrival] = []
-        backoff = self._backoff
-        backoff.reset()
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            # A lost worker is not waited for (it may never run again); what it has in its slot is taken all the same.
-            out = [w for w in range(self.workers) if w not in lost and not self._load(self._slot(w) + 3)]
-            for w in range(self.workers):
-                arrival = self._take(w)
-                if arrival is not None:
-                    left.append(arrival)
-            if not out:
-                return left
-            if end is not None and time.monotonic() > end:
-                raise TimeoutError(
-                    f"training is over but {self.describe(out)} did not stop within deadline={timeout}s "
-                    "(stopped, stuck or gone)"
-                )
-            backoff.wait()

@@ -51,8 +51,15 @@ def shard_bounds(numel: int, shards: int) -> Bounds:
     return bounds
 
 
-def open_shards(comm: MPI.Comm, numel: int, servers: int, dtype: torch.dtype = torch.float32) -> list[WindowMailbox]:
-    """Collective over `comm`: one mailbox per shard, shard j hosted on rank j, workers = ranks servers.. ."""
+def open_shards(
+    comm: MPI.Comm,
+    numel: int,
+    servers: int,
+    dtype: torch.dtype = torch.float32,
+    sends: Callable[[int], int] | None = None,
+) -> list[WindowMailbox]:
+    """Collective over `comm`: one mailbox per shard, shard j hosted on rank j, workers = ranks servers.. .
+    `sends`: server-sent parameters (`WindowMailbox`; the same on every rank)."""
     size = comm.Get_size()
     if servers >= size:
         raise ValueError(
@@ -60,7 +67,7 @@ def open_shards(comm: MPI.Comm, numel: int, servers: int, dtype: torch.dtype = t
         )
     workers = list(range(servers, size))
     return [
-        WindowMailbox(comm, stop - start, server_rank=j, workers=workers, dtype=dtype)
+        WindowMailbox(comm, stop - start, server_rank=j, workers=workers, dtype=dtype, sends=sends)
         for j, (start, stop) in enumerate(shard_bounds(numel, servers))
     ]
 
@@ -123,7 +130,7 @@ class ShardedMailbox:
                 for j, shard in enumerate(self.shards):
                     if j not in got and not self.done[j]:
                         start, stop = self.bounds[j]
-                        stale = shard.try_read(out[start:stop], lambda _: True, True)
+                        stale = shard.try_read(out[start:stop], lambda _: True, True, window=True)
                         if stale is not None and not stale.done:
                             self.versions[j] = stale.version
         for j, s in got.items():
@@ -208,10 +215,17 @@ class Shards:
     of `collsync.torch` both open their shards through this class.
     """
 
-    def __init__(self, world: MPI.Comm, numel: int, servers: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        world: MPI.Comm,
+        numel: int,
+        servers: int,
+        dtype: torch.dtype = torch.float32,
+        sends: Callable[[int], int] | None = None,
+    ) -> None:
         self.world, self.servers = world, servers
         self.bounds = shard_bounds(numel, servers)
-        self.mailboxes = open_shards(world, numel, servers, dtype)
+        self.mailboxes = open_shards(world, numel, servers, dtype, sends)
         self.rank = world.Get_rank()
         hosts = world.allgather(socket.gethostname())  # so that errors name a worker's host, not just its rank
         for mailbox in self.mailboxes:

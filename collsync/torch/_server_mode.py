@@ -64,7 +64,7 @@ class ServerMode(Mode):
             assert made is not None  # a rule node, never None
             job = Job(self.params.clone(), policy, made, penalty, workers, state=shard_states)
             send_job(st.world, st.servers, job)
-        self.shards = Shards(st.world, numel, st.servers, self.flat.buf.dtype)
+        self.shards = Shards(st.world, numel, st.servers, self.flat.buf.dtype, policy.sent())
         self.mailbox = self.shards.worker_mailbox(policy.pull_fraction, policy.pull_timeout)
         # A worker cut off from its servers blocks inside MPI for good: a thread outside that call ends it once the
         # servers have been silent for its bound (they lost it long before), until it leaves.

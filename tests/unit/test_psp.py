@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.policy import SyncPolicy, asynchronous, bsp, psp, ssp
+from collsync.policy import SyncPolicy, asynchronous, bsp, psp, push_quorum, ssp
 from collsync.rules import sgd
 from collsync.runtime.mpi_shards import shard_bounds
 from collsync.server import Server
@@ -27,12 +27,24 @@ def make(policy: SyncPolicy, workers: int, steps: int = 10) -> Server:
 
 def test_psp_defaults_are_the_papers_push_28_of_32_pull_90_percent():
     policy = psp()
-    assert policy.quorum_for(32) == 28  # ceil(0.875 x 32)
+    assert policy.quorum_for(32) == 28  # ceil(0.875 x 32): the paper's setting
+    assert policy.quorum_for(4) == 4  # ceil(3.5): every worker (policy.push_quorum says why not floor)
     assert policy.quorum_for(3) == 3  # ceil(2.625)
     assert policy.quorum_for(1) == 1
     assert policy.pull_fraction == 0.9 and policy.timeout is None and policy.pull_timeout is None
     assert psp(pushes=5).quorum_for(32) == 5  # an explicit c wins over the fraction
     assert psp(push_fraction=None).quorum_for(7) == 7  # neither: every worker
+
+
+@pytest.mark.parametrize(
+    ("fraction", "workers", "c"),
+    [(0.875, 2, 2), (0.1, 4, 1), (0.5, 4, 2), (0.75, 4, 3), (0.875, 8, 7), (0.875, 32, 28), (1.0, 4, 4), (0.5, 1, 1)],
+)
+def test_psp_push_fraction_rounds_up_and_takes_at_least_one(fraction, workers, c):
+    assert push_quorum(fraction, workers) == c
+    assert psp(push_fraction=fraction).quorum_for(workers) == c
+    # Below n, a default psp goes on without a lost worker (its quorum shrinks to the live ones).
+    assert psp(push_fraction=fraction).tolerates(1, workers) == (workers > 1 and c < workers)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,277 @@
+"""The server's side of a parameter-server mailbox on one MPI window (`runtime.mpi_rma` describes the protocol):
+the window's layout and control words, and what the server rank does with them (receive, publish, close).
+`WindowMailbox` adds the workers' side."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from collsync.runtime.mpi_sent import Inbox, Outbox, as_int
+from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
+from collsync.types import Arrival, Flat, Stamp
+
+_HDR = 4  # seq, version, done, signal (float64 bits)
+_SLOT = 4  # full, version, clock, finished
+
+
+class ServedWindow(Windows):
+    """Collective constructor over `comm`: `server_rank` hosts the windows; `workers` lists the worker ranks in
+    worker order (default: every other rank). Ranks that are neither (other shards' servers) expose nothing and
+    may only `snapshot` the published parameters. `sends` (a round policy's `SyncPolicy.least_version`, given on
+    every rank alike): the server sends each worker the version it waits for (`runtime.mpi_sent`), and a push's
+    flag is a message; None: workers poll and Get, and the flag is a word of the window."""
+
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        numel: int,
+        *,
+        server_rank: int = 0,
+        workers: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        sends: Callable[[int], int] | None = None,
+    ) -> None:
+        from mpi4py import MPI  # lazily: collsync imports without an MPI library
+
+        self.MPI = MPI
+        self.comm = comm
+        self.numel = numel
+        self.server = server_rank
+        self.dtype = dtype
+        size, rank = comm.Get_size(), comm.Get_rank()
+        self.is_server = rank == server_rank
+        ranks = [r for r in range(size) if r != server_rank] if workers is None else list(workers)
+        if server_rank in ranks or not 0 <= server_rank < size:
+            raise ValueError(f"mpi: server rank {server_rank} must be a rank of the world and not a worker")
+        self.workers = len(ranks)
+        self.worker = ranks.index(rank) if rank in ranks else -1
+        self.worker_ranks = ranks
+        self.hosts: list[str] | None = None  # every rank's host name, where the opener gathered them (Shards)
+        self._np = np.float32 if dtype == torch.float32 else np.float64
+        self._mpi_t = MPI.FLOAT if dtype == torch.float32 else MPI.DOUBLE
+        item = np.dtype(self._np).itemsize
+        host = self.is_server
+        intra = cast("MPI.Intracomm", comm)  # windows need an intracommunicator: every communicator here is one
+        self._block = -(-numel * item // 8)  # one block of floats in words, rounded up: each starts on a word
+        self._params_at = _HDR + _SLOT * self.workers
+        self._slots_at = self._params_at + self._block
+        words = self._slots_at + self.workers * self._block
+        self.win_box = MPI.Win.Allocate(words * 8 if host else 0, 8, comm=intra)
+        self._wins = (self.win_box,)
+        if host:
+            for win in self._wins:
+                mem = np.frombuffer(cast(Any, win.tomemory()), dtype=np.uint8)  # mpi4py types its buffer loosely
+                mem[:] = 0
+        comm.Barrier()  # the zeroed memory is in place before anyone reads it
+        for win in self._wins:
+            win.Lock_all()
+        self._ctrl = Words(self.win_box, server_rank)
+        # Server-sent parameters: their own communicator, so that no other protocol's message is matched with them.
+        self._msgs = comm.Dup() if sends is not None else None
+        self.outbox: Outbox | None = None
+        self.inbox: Inbox | None = None
+        if self._msgs is not None and sends is not None:
+            if host:
+                self.outbox = Outbox(self._msgs, ranks, sends, self._np, self._mpi_t)
+            elif rank in ranks:
+                self.inbox = Inbox(self._msgs, server_rank, numel, self._np, self._mpi_t)
+        self._posts = 0  # worker: pushes posted (a delivery counting fewer predates the last one)
+        self._read_once = False  # worker: a first read done (the server owes every worker the first publish)
+        self._clocks = [0] * self.workers  # server: the round of each worker's push last taken
+        self._hdr = np.zeros(_HDR, dtype=np.int64)
+        self._pair = np.zeros(2, dtype=np.int64)  # a slot's (version, clock)
+        self._full = np.zeros(1, dtype=np.int64)  # worker: its slot's flag, read and written with other words
+        self._free = True  # worker: its slot is known to be free (a read saw it freed since the last push)
+        self._seq = 0
+        self._next = 0
+        self._taken: list[int] = []  # server: slots read but not yet freed (see _release)
+        self._spare: list[torch.Tensor] = []  # server: receive buffers handed back by `recycle`
+        self._sent = False  # worker: a push whose slot the server has not freed yet
+        self.poll_cap = poll_cap(comm)  # the longest pause between two polls (seconds)
+        self._backoff = Backoff(cap=self.poll_cap)
+        # Worker: give up once the server has shown no sign of life (no publish, our push not taken) for this long.
+        self.silence: float | None = None
+        self._heard = (-1, time.monotonic())  # (the last header seq seen, when it was first seen)
+        # When a round trip to the server last completed (a control word read): a worker's watchdog thread reads it
+        # to tell a worker blocked inside MPI towards an unreachable server (`collsync.runtime.watchdog`).
+        self.answered = time.monotonic()
+        self.bytes_pushed = 0
+        self.bytes_fetched = 0
+
+    # -- control words (atomics) -------------------------------------------------------------------------------
+    def _load(self, disp: int) -> int:
+        value = self._ctrl.load(disp)
+        self.answered = time.monotonic()
+        return value
+
+    def _load_header(self) -> np.ndarray:
+        """seq, version, done, signal in one atomic-per-word read, not four round trips."""
+        header = self._ctrl.load_many(0, self._hdr)
+        self.answered = time.monotonic()
+        return header
+
+    def _poll(self) -> np.ndarray:
+        """The header and, after a push, this worker's `full` into `_full`: one round trip (one Flush for both reads,
+        and for the push's flag where `send` left it posted)."""
+        self._ctrl.load_many(0, self._hdr, flush=False)
+        if self._sent:
+            self._ctrl.load_many(self._slot(self.worker), self._full, flush=False)
+        self.win_box.Flush(self.server)
+        self.answered = time.monotonic()
+        return self._hdr
+
+    def _store(self, disp: int, value: int) -> None:
+        self._ctrl.store(disp, value)
+
+    def _slot(self, worker: int) -> int:
+        return _HDR + _SLOT * worker
+
+    def target(self, worker: int | None = None) -> tuple[int, int, Any]:
+        """Where the published parameters (None) or `worker`'s gradient slot lie in the window: an RMA target."""
+        at = self._params_at if worker is None else self._slots_at + worker * self._block
+        return (at, self.numel, self._mpi_t)
+
+    # -- server side -------------------------------------------------------------------------------------------
+    def describe(self, workers: list[int]) -> str:
+        """'worker 1 (rank 2 on node17)', ...: how errors name workers, by rank and host."""
+        named = []
+        for w in workers:
+            rank = self.worker_ranks[w]
+            host = f" on {self.hosts[rank]}" if self.hosts is not None else ""
+            named.append(f"worker {w} (rank {rank}{host})")
+        return ", ".join(named)
+
+    def departed(self) -> list[int]:
+        """Server: the workers that left (or read the final `done`)."""
+        return [w for w in range(self.workers) if self._load(self._slot(w) + 3)]
+
+    def _take(self, w: int, defer: bool = False) -> Arrival | None:
+        slot = self._slot(w)
+        full = self.outbox.flag(w) if self.outbox is not None else self._load(slot)
+        if full == 0:
+            return None
+        grad = None
+        if full == 1:
+            grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
+            self.win_box.Get([grad.numpy(), self._mpi_t], self.server, target=self.target(w))
+        self._ctrl.load_many(slot + 1, self._pair, flush=False)
+        self.win_box.Flush(self.server)
+        version, clock = int(self._pair[0]), int(self._pair[1])
+        self._clocks[w] = clock
+        if defer:
+            self._taken.append(w)
+        else:
+            self._free_slot(w)
+        return Arrival(w, version, grad, clock)
+
+    def _free_slot(self, w: int) -> None:
+        """The server dealt with worker w's push: its slot's word says so (0, or with server-sent parameters the
+        pushes dealt with), and it is owed the version it waits for."""
+        if self.outbox is None:
+            self._store(self._slot(w), 0)
+            return
+        self.outbox.released(w, self._clocks[w])
+        self._store(self._slot(w), self.outbox.dealt[w])
+
+    def recycle(self, grad: Flat | None) -> None:
+        """Server: a received gradient the server no longer holds (`Server.holds`): its buffer takes the next
+        receive instead of a fresh allocation. Two are kept: one in use and one being filled."""
+        if grad is not None and len(self._spare) < 2 and grad.numel() == self.numel and grad.dtype == self.dtype:
+            self._spare.append(grad)
+
+    def _release(self) -> None:
+        """Free the slots taken since the last publish or recv: the server has dealt with those gradients (and
+        published what they changed), so their workers may read."""
+        for w in self._taken:
+            self._free_slot(w)
+        self._taken.clear()
+        if self.outbox is not None:
+            self.outbox.send()
+
+    def recv(self, timeout: float | None = None) -> Arrival | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._release()  # the previous arrival was accepted (and published, if it changed the parameters)
+        backoff = self._backoff
+        backoff.reset()
+        while True:
+            for i in range(self.workers):
+                w = (self._next + i) % self.workers
+                arrival = self._take(w, defer=True)
+                if arrival is not None:
+                    self._next = (w + 1) % self.workers
+                    return arrival
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            if self.outbox is not None:
+                self.outbox.pump()
+                if self.outbox.hurry():
+                    os.sched_yield()  # the delivery moves only while we call MPI (`mpi_sent.HURRY_S`)
+                    continue
+            backoff.wait()
+
+    def publish(self, params: Flat, stamp: Stamp) -> None:
+        self._seq += 1
+        self._store(0, self._seq)
+        buf = params.detach().to(self.dtype).contiguous().numpy()
+        self.win_box.Put([buf, self._mpi_t], self.server, target=self.target())
+        self.win_box.Flush(self.server)
+        self._ctrl.store_many(1, np.array([stamp.version, int(stamp.done), as_int(stamp.signal)], dtype=np.int64))
+        self._seq += 1
+        self._store(0, self._seq)
+        if self.outbox is not None:
+            self.outbox.publish(buf, stamp)
+        self._release()
+
+    def locate(self, worker: int) -> tuple[int | None, str | None]:
+        """Server: this worker's rank and host (None where the hosts were not gathered)."""
+        rank = self.worker_ranks[worker]
+        return rank, None if self.hosts is None else self.hosts[rank]
+
+    def close(self, timeout: float | None = None, lost: Sequence[int] = ()) -> list[Arrival]:
+        # The last arrival `recv` returned was accepted: free its slot now, or it would be taken a second time here.
+        self._release()
+        left: list[Arrival] = []
+        backoff = self._backoff
+        backoff.reset()
+        end = None if timeout is None else time.monotonic() + timeout
+        for w in lost:
+            if self.outbox is not None:
+                self.outbox.forget(w)
+        while True:
+            # A lost worker is not waited for (it may never run again); what it has in its slot is taken all the same.
+            out = [w for w in range(self.workers) if w not in lost and not self._load(self._slot(w) + 3)]
+            for w in range(self.workers):
+                arrival = self._take(w)
+                if arrival is not None:
+                    left.append(arrival)
+            if self.outbox is not None:
+                self.outbox.pump()  # `done` to the workers whose last delivery was still in flight
+            if not out:
+                return left
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(
+                    f"training is over but {self.describe(out)} did not stop within deadline={timeout}s "
+                    "(stopped, stuck or gone)"
+                )
+            backoff.wait()
+
+    def free(self) -> None:
+        """Collective: the messages' receives cancelled (`runtime.mpi_sent`), then the windows freed."""
+        for box in (self.inbox, self.outbox):
+            if box is not None:
+                box.free()
+        if self._msgs is not None:
+            self._msgs.Free()  # deliveries nobody took (to a lost worker) are left to the exit
+            self._msgs = None
+        super().free()
