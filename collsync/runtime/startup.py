@@ -71,15 +71,25 @@ KILL_AFTER_S = 10.0
 # machine before the backstop would speak over it.
 _REPORT_S = 15.0
 
-# The child: waits on its stdin (the pipe from the rank) until the end time; a line "END\tTEXT" re-arms it, EOF (the
-# rank disarmed it, or ended) ends it quietly. At the end time it writes TEXT, and then, where the rank does not exit,
-# cancels the Slurm step (once the rank is gone) or kills the rank.
+# The child: waits on its stdin (the pipe from the rank) until the end time; a line "END\tTEXT" re-arms it, "UP" says
+# MPI_Init returned, "DONE" that the rank disarmed it. EOF after "UP" or "DONE" ends it quietly. EOF before either is
+# a rank that ended inside MPI's start-up (MPI_Init failed and aborted it, or it was killed): where a plain `srun`
+# launched it, the step would then be held by a rank that never started (MPI_Init can fail on the ranks that came
+# while one is stopped, rather than wait), so the child writes DIED and cancels the step. At the end time it writes
+# TEXT, and then, where the rank does not exit, cancels the Slurm step (once the rank is gone) or kills the rank.
 _CHILD = r"""
 import os, select, signal, subprocess, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-text, end, grace, kill_after, rank_pid, step = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(
-    sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-pending = b""
+text, end, grace, kill_after, rank_pid, step, died = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(
+    sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
+def cancel():
+    time.sleep(grace)
+    try:
+        subprocess.run(["scancel", "--quiet", step], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        pass
+pending, up = b"", False
 while True:
     left = end - time.monotonic()
     if left <= 0:
@@ -87,10 +97,16 @@ while True:
     if select.select([0], [], [], left)[0]:
         data = os.read(0, 65536)
         if not data:
+            if not up and step:
+                os.write(2, died.encode() + b"\n")
+                cancel()
             os._exit(0)
         pending += data
         while b"\n" in pending:
             message, pending = pending.split(b"\n", 1)
+            if message in (b"UP", b"DONE"):
+                up = True
+                continue
             when, text = message.decode().split("\t", 1)
             end = float(when)
 os.write(2, text.encode() + b"\n")
@@ -98,12 +114,7 @@ gone = select.select([0], [], [], grace + kill_after)[0] and not os.read(0, 1)
 if not gone and os.getppid() == rank_pid:
     os.kill(rank_pid, signal.SIGKILL)
 if step:
-    time.sleep(grace)
-    try:
-        subprocess.run(["scancel", "--quiet", step], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        pass
+    cancel()
 """
 
 
@@ -138,6 +149,19 @@ def line(prog: str, deadline: float, env: Mapping[str, str] | None = None, host:
         f"(MPI_Init) did not complete within deadline={deadline:g}s: it waits until all {size} ranks the launcher "
         f"announced{announced} have started, and one never did (a node that hangs, a process stopped or dead); "
         f"this rank exits (status 1) so that the launcher ends the job{_short_hint(deadline)}"
+    )
+
+
+def died_line(prog: str, env: Mapping[str, str] | None = None, host: str | None = None) -> str:
+    """The line of a rank that ended inside MPI's start-up where `srun` launched it: its step is cancelled, since a
+    plain `srun` keeps it for as long as any task lives, and a rank that never started never ends."""
+    env = os.environ if env is None else env
+    var = next((v for v in SIZE_VARS if env.get(v, "").isdigit()), None)
+    size = env[var] if var is not None else "?"
+    return (
+        f"{prog}: rank {launcher_rank(env)} of {size} on {host or socket.gethostname()}: start-up: this rank ended "
+        f"inside MPI's start-up (MPI_Init failed or the process died); cancelling Slurm step {slurm_step(env)} so "
+        f"that no rank still starting holds it"
     )
 
 
@@ -218,6 +242,7 @@ def arm(prog: str, deadline: float | None) -> None:
                 repr(KILL_AFTER_S),
                 str(os.getpid()),
                 slurm_step(),
+                died_line(prog),
             ],
             stdin=read,
             stdout=subprocess.DEVNULL,
@@ -232,7 +257,17 @@ def arm(prog: str, deadline: float | None) -> None:
 
 def mpi_up() -> None:
     """MPI_Init returned: what is left is the start-up exchange, which bounds itself; keep a backstop on it."""
+    _tell(b"UP\n")
     exchange_begins()
+
+
+def _tell(message: bytes) -> None:
+    """Write `message` to the child, if one is watching."""
+    if _ARMED is not None:
+        try:
+            os.write(_ARMED.pipe, message)
+        except OSError:
+            pass  # the child is gone: the timer still bounds the start-up
 
 
 def exchange_begins() -> None:
@@ -262,6 +297,10 @@ def disarm() -> None:
     if watch is None:
         return
     faulthandler.cancel_dump_traceback_later()
+    try:
+        os.write(watch.pipe, b"DONE\n")  # an end the child must not take for a rank that died starting
+    except OSError:
+        pass
     os.close(watch.pipe)  # the child reads EOF and exits
     watch.sink.close()
     if watch.child is not None:

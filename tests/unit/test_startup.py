@@ -216,3 +216,39 @@ def test_a_process_held_in_c_with_the_gil_ends_after_one_line():
 def test_a_disarmed_watchdog_says_nothing_and_leaves_no_child():
     proc, _ = _hold("1", "disarm")
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "still here\n", "")
+
+
+# A rank that ends inside MPI's start-up (MPI_Init failing aborts it) where srun launched it: DIED says so and
+# cancels the step; a `scancel` on PATH records what it was asked.
+_DIES = """
+import os, sys
+from collsync.runtime import startup
+startup.arm("collsync-test", 30.0)
+if sys.argv[1:] == ["up"]:
+    startup.mpi_up()
+os._exit(15)
+"""
+
+
+@pytest.mark.parametrize("up", [False, True], ids=["inside-mpi-init", "after-mpi-init"])
+def test_a_rank_that_dies_inside_mpi_init_under_srun_cancels_its_step(tmp_path, up):
+    """A plain `srun` keeps a step for as long as any task lives, and one stopped before it started never ends: a
+    rank whose MPI_Init failed (its child sees the pipe close before "UP") cancels the step in one line; one that
+    ended after MPI_Init returned leaves the step to the launcher and its own error."""
+    record = tmp_path / "scancel.args"
+    (tmp_path / "scancel").write_text(f'#!/bin/sh\necho "$@" > {record}\n')
+    (tmp_path / "scancel").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}
+    env = {**os.environ, **LAUNCHED, **slurm, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env.pop(startup.STALL_ENV, None)
+    args = [sys.executable, "-c", _DIES, *(["up"] if up else [])]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    # the child holds the rank's stderr, so the run returns once the child is done too
+    assert proc.returncode == 15
+    if up:
+        assert not record.exists() and proc.stderr == "", proc.stderr
+    else:
+        assert record.read_text().split() == ["--quiet", "7.0"]
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("collsync-test: rank 1 of 4 on "), proc.stderr
+        assert "ended inside MPI's start-up" in lines[0] and "cancelling Slurm step 7.0" in lines[0], lines[0]
