@@ -137,12 +137,17 @@ def armed() -> bool:
     return _ARMED is not None
 
 
+def _announced(env: Mapping[str, str]) -> tuple[str | None, str]:
+    """The launcher's variable that gives the world size, and that size ("?" where none does)."""
+    var = next((v for v in SIZE_VARS if env.get(v, "").isdigit()), None)
+    return var, env[var] if var is not None else "?"
+
+
 def line(prog: str, deadline: float, env: Mapping[str, str] | None = None, host: str | None = None) -> str:
     """The line of a rank whose MPI start-up did not complete within `deadline`: it names the rank and the world
     size as the launcher announced them (MPI has not said yet), the host, and what it waited for."""
     env = os.environ if env is None else env
-    var = next((v for v in SIZE_VARS if env.get(v, "").isdigit()), None)
-    size = env[var] if var is not None else "?"
+    var, size = _announced(env)
     announced = f" ({var}={size})" if var is not None else ""
     return (
         f"{prog}: rank {launcher_rank(env)} of {size} on {host or socket.gethostname()}: start-up: MPI's start-up "
@@ -156,8 +161,7 @@ def died_line(prog: str, env: Mapping[str, str] | None = None, host: str | None 
     """The line of a rank that ended inside MPI's start-up where `srun` launched it: its step is cancelled, since a
     plain `srun` keeps it for as long as any task lives, and a rank that never started never ends."""
     env = os.environ if env is None else env
-    var = next((v for v in SIZE_VARS if env.get(v, "").isdigit()), None)
-    size = env[var] if var is not None else "?"
+    _, size = _announced(env)
     return (
         f"{prog}: rank {launcher_rank(env)} of {size} on {host or socket.gethostname()}: start-up: this rank ended "
         f"inside MPI's start-up (MPI_Init failed or the process died); cancelling Slurm step {slurm_step(env)} so "
@@ -257,15 +261,15 @@ def arm(prog: str, deadline: float | None) -> None:
 
 def mpi_up() -> None:
     """MPI_Init returned: what is left is the start-up exchange, which bounds itself; keep a backstop on it."""
-    _tell(b"UP\n")
+    _tell(_ARMED, b"UP\n")
     exchange_begins()
 
 
-def _tell(message: bytes) -> None:
-    """Write `message` to the child, if one is watching."""
-    if _ARMED is not None:
+def _tell(watch: _Watch | None, message: bytes) -> None:
+    """Write `message` to `watch`'s child, if one is watching."""
+    if watch is not None:
         try:
-            os.write(_ARMED.pipe, message)
+            os.write(watch.pipe, message)
         except OSError:
             pass  # the child is gone: the timer still bounds the start-up
 
@@ -283,10 +287,7 @@ def exchange_begins() -> None:
         f"complete within {bound:g}s (deadline={watch.deadline:g}s); this rank exits (status 1) so that the "
         f"launcher ends the job"
     )
-    try:
-        os.write(watch.pipe, f"{time.monotonic() + bound!r}\t{text}\n".encode())
-    except OSError:
-        pass  # the child is gone: the timer below still bounds the exchange
+    _tell(watch, f"{time.monotonic() + bound!r}\t{text}\n".encode())
     faulthandler.dump_traceback_later(bound + EXIT_GRACE_S, exit=True, file=watch.sink)
 
 
@@ -297,10 +298,7 @@ def disarm() -> None:
     if watch is None:
         return
     faulthandler.cancel_dump_traceback_later()
-    try:
-        os.write(watch.pipe, b"DONE\n")  # an end the child must not take for a rank that died starting
-    except OSError:
-        pass
+    _tell(watch, b"DONE\n")  # an end the child must not take for a rank that died starting
     os.close(watch.pipe)  # the child reads EOF and exits
     watch.sink.close()
     if watch.child is not None:
