@@ -11,7 +11,8 @@ momentum reduced for the implicit momentum of one round's staleness (Mitliagkas 
 0.5) = 0.8, at the same eta / (1 - gamma)), the lr halved, and a view extrapolated with the last round's gradient
 (`extrapolated`: theta - eta (c1 v + c2 g), module `--stability`). `pending` is a server-side prototype, not a rule:
 the workers read the look-ahead minus eta (1 + gamma) x the round's gradients already arrived / n, the part of the
-next update the server already holds.
+next update the server already holds (`pending_filled`: each gradient still to come counted as the last round's
+mean). `lookahead_gap_aware`: the default behind Gap-Aware (001_... Alg. 4) with the Gap in rounds (eta_max = 2 lr).
 
     python benchmarks/ssp_cnn.py [--data digits|fashion] [--seeds 5] [--epochs 20] [--sides ...] [--timings ...]
     python benchmarks/ssp_cnn.py --stability     # the largest stable lr x h of each candidate on a quadratic
@@ -33,7 +34,7 @@ from collsync.flat import FlatModel
 from collsync.loops import Gradients
 from collsync.models import cnn
 from collsync.policy import SyncPolicy, bsp, ssp
-from collsync.rules import LookaheadState, Rule, lookahead, momentum
+from collsync.rules import LookaheadState, Rule, gap_aware, lookahead, momentum
 from collsync.server import Server
 from collsync.sim import Simulator
 from collsync.types import Context, Flat
@@ -71,46 +72,68 @@ def extrapolated(lr: float, gamma: float, c1: float, c2: float) -> Rule:
 
 class PendingServer(Server):
     """The prototype `pending`: the look-ahead minus eta (1 + gamma) x the arrived gradients of the round not yet
-    applied / n (they enter v in the next update and move the parameters in it and, by gamma, in the one after)."""
+    applied / n (they enter v in the next update and move the parameters in it and, by gamma, in the one after).
+    `FilledServer` (`pending_filled`) counts each gradient still to come as the last round's mean."""
+
+    fill = False
+
+    def _step(self, mean: Flat, batch: list[Any], stats: dict[str, list[float]] | None = None) -> None:
+        self.last_mean = mean.clone()  # before the in-place optimizer writes its delta over it
+        super()._step(mean, batch, stats)
 
     def view(self) -> Flat:
         base = super().view()
-        arrived = self.pending.get(self.version, [])
+        arrived = [a.grad for a in self.pending.get(self.version, []) if a.grad is not None]
         state = self.opt_state
-        if not arrived or not isinstance(state, LookaheadState) or state.eta == 0:
+        if not isinstance(state, LookaheadState) or state.eta == 0:
             return base
-        total = torch.stack([a.grad for a in arrived if a.grad is not None]).sum(0)
+        total = torch.zeros_like(base)
+        for grad in arrived:
+            total += grad
+        if self.fill and hasattr(self, "last_mean"):  # from the second round on
+            total += (self.workers - len(arrived)) * self.last_mean
         return base - (state.eta * (1 + GAMMA) / self.workers) * total
 
 
-Side = tuple[SyncPolicy, Rule, type[Server]]
+class FilledServer(PendingServer):
+    fill = True
+
+
+Side = tuple[SyncPolicy, Rule, type[Server], Rule | None]  # policy, rule, server class, penalty
 
 
 def sides(lr: float) -> dict[str, Callable[[], Side]]:
-    """Each side's policy, rule and server class, at the lr of a round."""
+    """Each side's policy, rule, server class and penalty, at the lr of a round."""
 
     def bound1() -> SyncPolicy:
         return ssp(max_lead=1)
 
     return {
-        "bsp": lambda: (bsp(), momentum(lr=lr, momentum=GAMMA), Server),
-        "lookahead": lambda: (bound1(), lookahead(lr=lr, momentum=GAMMA), Server),
-        "lookahead_nesterov": lambda: (bound1(), lookahead(lr=lr, momentum=GAMMA, nesterov=True), Server),
-        "lookahead_m0.8": lambda: (bound1(), lookahead(lr=lr * (1 - 0.8) / (1 - GAMMA), momentum=0.8), Server),
-        "lookahead_lr_half": lambda: (bound1(), lookahead(lr=lr / 2, momentum=GAMMA), Server),
-        "extrapolated_0.45_0.75": lambda: (bound1(), extrapolated(lr, GAMMA, 0.45, 0.75), Server),
-        "extrapolated_0.45_1": lambda: (bound1(), extrapolated(lr, GAMMA, 0.45, 1.0), Server),
-        "extrapolated_0_1.5": lambda: (bound1(), extrapolated(lr, GAMMA, 0.0, 1.5), Server),
-        "pending": lambda: (bound1(), lookahead(lr=lr, momentum=GAMMA), PendingServer),
+        "bsp": lambda: (bsp(), momentum(lr=lr, momentum=GAMMA), Server, None),
+        "lookahead": lambda: (bound1(), lookahead(lr=lr, momentum=GAMMA), Server, None),
+        "lookahead_nesterov": lambda: (bound1(), lookahead(lr=lr, momentum=GAMMA, nesterov=True), Server, None),
+        "lookahead_m0.8": lambda: (bound1(), lookahead(lr=lr * (1 - 0.8) / (1 - GAMMA), momentum=0.8), Server, None),
+        "lookahead_lr_half": lambda: (bound1(), lookahead(lr=lr / 2, momentum=GAMMA), Server, None),
+        "extrapolated_0.45_0.75": lambda: (bound1(), extrapolated(lr, GAMMA, 0.45, 0.75), Server, None),
+        "extrapolated_0.45_1": lambda: (bound1(), extrapolated(lr, GAMMA, 0.45, 1.0), Server, None),
+        "extrapolated_0_1.5": lambda: (bound1(), extrapolated(lr, GAMMA, 0.0, 1.5), Server, None),
+        "pending": lambda: (bound1(), lookahead(lr=lr, momentum=GAMMA), PendingServer, None),
+        "pending_filled": lambda: (bound1(), lookahead(lr=lr, momentum=GAMMA), FilledServer, None),
+        "lookahead_gap_aware": lambda: (
+            bound1(),
+            lookahead(lr=lr, momentum=GAMMA),
+            Server,
+            gap_aware(2 * lr, momentum=GAMMA),
+        ),
     }
 
 
 def final_accuracy(data: Any, side: Side, steps: int, seed: int, workers: int, batch: int, timing: Any) -> float:
     """One simulated run's test accuracy after `steps` rounds."""
-    policy, rule, server_class = side
+    policy, rule, server_class, penalty = side
     flat = FlatModel(cnn(data.input_shape, data.classes, seed=seed))
     sim = Simulator(workers, timing, seed=seed)
-    server = server_class(flat.params.clone(), rule, policy, workers, steps=steps, trace=sim.trace)
+    server = server_class(flat.params.clone(), rule, policy, workers, steps=steps, trace=sim.trace, penalty=penalty)
     sim.run(server, Gradients(flat, Batches(data, workers, batch, seed)))
     flat.load(server.params)
     with torch.no_grad():
