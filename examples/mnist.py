@@ -10,7 +10,9 @@ applies). Data: scikit-learn's bundled 8x8 digits by default, Fashion-MNIST from
 dataset-fashion-mnist (`--data fashion`), or MNIST IDX files from a folder you already have; `--limit N` keeps the
 first N training and N test images (a quick run). `--compute`, `--straggle` and `--every-epoch` are for
 benchmarks/horovod_stragglers.py: a batch's compute time slept, stragglers injected the same way whichever import
-line, and worker 0's test accuracy after each epoch.
+line, and worker 0's test accuracy after each epoch. `--sampler torch` keeps torch's own DistributedSampler under
+collsync too (a Horovod script with only its import line changed); the default, `hvd`, is collsync's, which in the
+stream modes (async, ...) shares each epoch's batches by the workers' speed.
 """
 
 from __future__ import annotations
@@ -119,6 +121,14 @@ def main() -> None:
         help="heavy: 10%% of batches take 0.2 s more; slow: the last worker computes 3x as long (3 x --compute)",
     )
     parser.add_argument("--every-epoch", action="store_true", help="worker 0's test accuracy after each epoch")
+    parser.add_argument(
+        "--sampler",
+        default="hvd",
+        choices=["hvd", "torch"],
+        help="under collsync: hvd (collsync.torch.DistributedSampler: in async and the other stream modes the "
+        "workers share each epoch's batches by their speed) or torch (torch's own DistributedSampler, fixed shards: "
+        "a Horovod script with only its import line changed); Horovod always uses torch's",
+    )
     args = parser.parse_args()
     data = args.data or ("mnist" if args.mnist else "digits")
     if data == "mnist" and not args.mnist:
@@ -136,7 +146,7 @@ def main() -> None:
         hvd.init()
     torch.manual_seed(args.seed)
     train, test, features = load(data, args.mnist, args.seed, args.limit)
-    if COLLSYNC:  # torch's sampler, or in the stream modes the epoch's batches shared by the workers' speed
+    if COLLSYNC and args.sampler == "hvd":  # torch's sampler, or in the stream modes the batches shared by speed
         sampler = hvd.DistributedSampler(train, seed=args.seed, drop_last=True, batch_size=args.batch_size)
     else:
         sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed, drop_last=True)

@@ -12,6 +12,12 @@ under-penalising, 001_... §4.1). Three granularities (§5.3): `parameter` (eq. 
 theta_read comes from the server, which keeps the parameters (the *view*) each worker read, as 001_... App. D.1
 does (one copy per worker on the master), and passes them as `ctx.read` because this rule sets `needs_read`.
 Under DANA the view is the look-ahead estimate, which is exactly the theta_i of DANA-GA (001_... Alg. 8).
+
+`unit="round"` counts the Gap in rounds of N = `ctx.workers` updates instead of single updates,
+C = N eta_max sqrt(m_hat) + eps: Alg. 14 with eta_max = N x lr. Every asynchronous gradient is about N - 1 updates
+stale, a drift 001_... C.13 says "should be allowed to go un-penalized"; only drift beyond about a round is
+divided down. It is async's default penalty with DANA (conf/optimizer/dana_ga_round.yaml; benchmarks/README.md,
+"Async on the CNN").
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collsync.rules.base import Rule, check_decay, check_positive, check_unit, d
 from collsync.types import Context, Flat
 
 GRANULARITIES = ("parameter", "layer", "global")
+UNITS = ("update", "round")
 
 Spans = list[tuple[int, int]]
 
@@ -47,6 +54,7 @@ def gap_aware(
     weight_decay: float = 0.0,
     granularity: str = "parameter",
     layers: Spans | None = None,
+    unit: str = "update",
 ) -> Rule:
     """Gap-Aware penalty (001_... Alg. 4): g' = (g + lambda theta) / G, chained before the optimizer.
 
@@ -65,6 +73,10 @@ def gap_aware(
     optimizer's own `weight_decay` at 0 then. `layers` lists (start, stop) of each layer in the flat vector (e.g.
     from `FlatModel.layers`) and is used only by `granularity="layer"`; without it the whole vector is one layer,
     which makes `layer` the same as `global`.
+
+    `unit` is what one Gap counts: "update" (Alg. 14 as printed, C the size of one update) or "round", the size of
+    N = `ctx.workers` updates, C = N eta_max sqrt(m_hat) + eps (the module docstring): the number of workers is the
+    server's, so every front (simulator, collsync-train over MPI, collsync.torch) measures it the same way.
     """
     return gap_rule(
         "gap_aware",
@@ -75,6 +87,7 @@ def gap_aware(
         weight_decay=weight_decay,
         granularity=granularity,
         layers=layers,
+        unit=unit,
     )
 
 
@@ -89,6 +102,7 @@ def gap_rule(
     granularity: str,
     layers: Spans | None,
     eps_key: str = "eps",
+    unit: str = "update",
 ) -> Rule:
     """`gap_aware` under another name (errors name `name` and `eps_key`): Adam-GA measures its Gap with it."""
     check_positive(name, "eta_max", eta_max)
@@ -98,6 +112,8 @@ def gap_rule(
     check_decay(name, weight_decay)
     if granularity not in GRANULARITIES:
         raise ValueError(f"{name}: {granularity=} must be one of {GRANULARITIES}")
+    if unit not in UNITS:
+        raise ValueError(f"{name}: {unit=} must be one of {UNITS}")
     spans = _check_spans(name, layers) if layers is not None and granularity == "layer" else None
 
     def groups(d: int) -> Spans:
@@ -121,15 +137,17 @@ def gap_rule(
         count = state.k + 1
         v = state.v * momentum + g
         correction = 1 - beta**count
+        # C's step size: one update's (Alg. 14), or a round's of every worker's update.
+        eta = eta_max * ctx.workers if unit == "round" else eta_max
         diff = params - ctx.read
         if granularity == "parameter":
             m = state.m * beta + (1 - beta) * v * v
-            c = torch.sqrt(m / correction) * eta_max + eps
+            c = torch.sqrt(m / correction) * eta + eps
             gap = diff.abs() / c + 1
         else:
             spans_d = groups(params.numel())
             m = state.m * beta + (1 - beta) * _sums(v * v, spans_d)
-            c = torch.sqrt(m / correction) * eta_max + eps
+            c = torch.sqrt(m / correction) * eta + eps
             gap = _spread(torch.sqrt(_sums(diff * diff, spans_d)) / c + 1, spans_d)
         # At theta_read == theta_k the Gap is exactly 1 and g / 1 == g: a fresh gradient passes unchanged.
         return g / gap, GapAwareState(v, m, count, float(gap.mean()))

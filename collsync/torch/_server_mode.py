@@ -4,7 +4,8 @@ servers): a worker of the shards on MPI windows (see `collsync.torch.optimizer`)
 `step()` pushes this worker's gradient to the shards and pulls fresh parameters into the model. The update is
 applied on the servers by collsync's rule made from the user's optimizer's class and hyperparameters
 (`server_rule.server_rule`, its lr rescaled by `server_rule.server_lr`, a momentum SGD made DANA where updates take one
-gradient each, `server_rule.server_momentum`) plus the penalty; the user's optimizer's own state is not used.
+gradient each, `server_rule.server_momentum`) plus the penalty (under async, where none is given, DANA-GA with the
+Gap in rounds, `server_rule.penalty_for`); the user's optimizer's own state is not used.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collsync.runtime.watchdog import worker_watchdog
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._world import World, shutdown
 from collsync.torch.config import SyncConfig, factory
-from collsync.torch.server_rule import rule_for, server_penalty
+from collsync.torch.server_rule import penalty_for, rule_for
 from collsync.torch.speculative import Speculating
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class ServerMode(Mode):
             # the job, and `import collsync.torch` stays light.
             from collsync.torch._serve import Job, send_job
 
-            made, penalty = factory(rule), factory(server_penalty(config.penalty, rule))
+            made, penalty = factory(rule), factory(penalty_for(config, rule))
             assert made is not None  # a rule node, never None
             job = Job(self.params.clone(), policy, made, penalty, workers, state=shard_states)
             send_job(st.world, st.servers, job)

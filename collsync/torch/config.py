@@ -23,7 +23,7 @@ from collsync.policy import SyncPolicy
 from collsync.suggest import did_you_mean
 
 MODES = ("bsp", "backup", "async", "ssp", "psp", "bfasgd", "specsync")
-PENALTIES = ("none", "staleness_aware", "staleness_aware_step", "gap_aware")
+PENALTIES = ("none", "staleness_aware", "staleness_aware_step", "gap_aware", "gap_aware_round")
 # Modes that have no serverless form: their updates come from a parameter server.
 SERVER_MODES = ("async", "ssp", "psp", "bfasgd", "specsync")
 # SSP's bound where a script does not set one: 1 here, 3 in collsync-train (conf/sync/ssp.yaml). A script's momentum
@@ -92,7 +92,11 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
         raise ValueError(f"{group}={name!r} is not one of {', '.join(known)}{did_you_mean(name, known)}")
     node = OmegaConf.load(str(path))
     assert isinstance(node, DictConfig)  # every option's file is a mapping
-    node.pop("defaults", None)  # a sync mode's default optimizer (conf/sync/async.yaml) is for collsync-train
+    defaults = node.pop("defaults", None)  # a sync mode's default optimizer (conf/sync/async.yaml): collsync-train's
+    if "_target_" not in node:
+        # An option that pairs another of its group with a penalty (conf/optimizer/dana_ga_round.yaml): here the
+        # rule and the penalty are named one by one.
+        raise ValueError(f"{group}={name!r} is collsync-train's pair {_pair(defaults)}: name them one by one here")
     for key, value in options.items():
         if key not in node or key.startswith("_"):
             keys = [k for k in node if not str(k).startswith("_")]
@@ -112,6 +116,17 @@ def _node(group: str, name: str, options: dict[str, Any], extra: dict[str, Any] 
     resolved = OmegaConf.to_container(OmegaConf.create({"node": node}), resolve=True)
     assert isinstance(resolved, dict)
     return resolved["node"]
+
+
+def _pair(defaults: Any) -> str:
+    """What a pairing option's defaults list chooses, as keyword arguments (`rule='dana', penalty='...'`)."""
+    chosen = []
+    for entry in defaults or []:
+        if isinstance(entry, str) and entry != "_self_":
+            chosen.append(f"rule={entry!r}")
+        elif not isinstance(entry, str):
+            chosen += [f"{str(k).split('@')[0].split('/')[-1]}={v!r}" for k, v in entry.items()]
+    return ", ".join(chosen)
 
 
 def build(node: dict[str, Any] | None) -> Any:

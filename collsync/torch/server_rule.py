@@ -1,8 +1,9 @@
 """The rule a `collsync.torch` script's servers apply, as a config node, from the user's torch optimizer: its class
 and hyperparameters translated (`server_rule`), its lr rescaled to the gradients one update averages
 (`server_lr`), its momentum made DANA or the look-ahead momentum where updates are one gradient or stale rounds
-(`server_momentum`), and the penalty fitted to it (`server_penalty`); `rule_for` puts them together. Worker 0 sends
-the node to the server ranks, which build it (`config.build`).
+(`server_momentum`), and the penalty fitted to it (`server_penalty`; under async, where none is given, DANA-GA
+with the Gap in rounds, `penalty_for`); `rule_for` puts them together. Worker 0 sends the nodes to the server
+ranks, which build them (`config.build`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def rule_for(optimizer: torch.optim.Optimizer, config: SyncConfig, workers: int)
 
 MOMENTUM_RULES = ("collsync.rules.momentum", "collsync.rules.nesterov")
 LOOKAHEAD = "collsync.rules.lookahead"
+DANA = "collsync.rules.dana"
 
 
 def server_momentum(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> dict[str, Any]:
@@ -140,9 +142,10 @@ def server_momentum(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> d
     is computed where the others' momentum is taking the parameters. With one worker it is Nesterov's momentum.
     Measured on examples/mnist.py (digits, 4 workers, 8 epochs, one worker 3x slower, 5 seeds): the torch
     optimizer's momentum ended at 0.921-0.951, DANA at the same lr and gamma at 0.954-0.969 (bsp: 0.949-0.960).
-    It is collsync-train's default for async too (conf/sync/async.yaml). The lr, momentum and weight decay are the
-    torch optimizer's (lr after `server_lr`); B-FASGD's fetch skipping (`transmit`) needs its own rule and is left
-    alone, as is any mode whose updates average several gradients (DANA's v_i is one worker's).
+    It is collsync-train's default optimizer for async too (conf/sync/async.yaml), and as there the Gap-Aware
+    penalty counted in rounds comes with it unless a penalty is given (`penalty_for`). The lr, momentum and weight
+    decay are the torch optimizer's (lr after `server_lr`); B-FASGD's fetch skipping (`transmit`) needs its own rule
+    and is left alone, as is any mode whose updates average several gradients (DANA's v_i is one worker's).
 
     SSP's rounds (and SpecSync over SSP) average every worker's gradient, each read up to `max_lead` rounds stale,
     and in steady state at the bound (the leaders wait there: measured, every round's oldest read is s old). One
@@ -160,16 +163,44 @@ def server_momentum(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> d
     one_at_a_time = not policy.rounds and policy.quorum_for(workers) == 1 and not policy.bandwidth_aware
     if not one_at_a_time:
         return rule
-    return {"_target_": "collsync.rules.dana", **node}
+    return {"_target_": DANA, **node}
+
+
+# async's penalty where the script names none and the servers made DANA of its momentum SGD: collsync-train's
+# default pair (conf/optimizer/dana_ga_round.yaml), so both fronts build the same rule.
+ASYNC_PENALTY = "gap_aware_round"
+GAP_PENALTIES = ("gap_aware", ASYNC_PENALTY)
+
+
+def penalty_for(config: SyncConfig, rule: dict[str, Any]) -> dict[str, Any] | None:
+    """The penalty the servers apply with `rule` (as `rule_for` made it), as a config node (None: none).
+
+    The penalty the script gave (`sync_config(penalty=...)`, `penalty="none"` included), fitted to the rule by
+    `server_penalty`. Where it gave none, the mode is async and the servers made DANA of the torch optimizer
+    (`server_momentum`; not a rule named by `rule=`, which is collsync-train's `optimizer=`), DANA-GA (001_...
+    Alg. 8) with the Gap counted in rounds of N = workers updates, `conf/penalty/gap_aware_round.yaml`:
+
+        G = |theta_k - theta_read| / C + 1,    C = N eta_max sqrt(m_hat) + eps,    eta_max = the server's lr,
+
+    i.e. Alg. 14 at eta_max = N x the per-gradient lr (`server_lr`): the lr of the script's synchronous rounds.
+    collsync-train's `sync=async` composes the same pair, so both fronts build the same rule.
+    """
+    from collsync.torch.config import _penalty_node  # lazily: config imports this module
+
+    penalty = config.penalty
+    if penalty is None and config.rule is None and config.policy.name == "async" and rule.get("_target_") == DANA:
+        penalty = _penalty_node(ASYNC_PENALTY, {})
+    return server_penalty(penalty, rule)
 
 
 def server_penalty(penalty: dict[str, Any] | None, rule: dict[str, Any]) -> dict[str, Any] | None:
     """The penalty node with Gap-Aware's eta_max and momentum taken from the server's rule, as
-    conf/penalty/gap_aware.yaml takes them from `optimizer.lr` / `optimizer.momentum`, unless set explicitly."""
+    conf/penalty/gap_aware.yaml (and gap_aware_round.yaml) take them from `optimizer.lr` / `optimizer.momentum`,
+    unless set explicitly."""
     if penalty is None:
         return None
     node = {k: v for k, v in penalty.items() if k != "name"}
-    if penalty.get("name") == "gap_aware":
+    if penalty.get("name") in GAP_PENALTIES:
         given = penalty.get("given", ())
         if "eta_max" not in given and "lr" in rule:
             node["eta_max"] = rule["lr"]

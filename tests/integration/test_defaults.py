@@ -1,8 +1,9 @@
 """The default configs train, and a policy's default optimizer never overrides what the user chose.
 
-Each sync policy may pick its own default optimizer (conf/sync/*.yaml: async takes DANA, ssp the look-ahead
-momentum, bfasgd FASGD), because heavy momentum on top of the implicit momentum of staleness does not train
-(benchmarks/README.md, "Defaults that train"). These tests pin both halves of that: the choice itself, and that
+Each sync policy may pick its own default optimizer (conf/sync/*.yaml: async takes DANA with the Gap-Aware penalty
+counted in rounds of N updates, DANA-GA at eta_max = N x lr; ssp the look-ahead momentum, bfasgd FASGD), because
+heavy momentum on top of the implicit momentum of staleness does not train (benchmarks/README.md, "Defaults that
+train"). These tests pin both halves of that: the choice itself, and that
 `optimizer=`, `method=` and `penalty=` on the command line still win. Then each policy trains at its full defaults
 (8 simulated workers, 300 updates) for one seed: a change of a default that stops a policy training fails here, in
 about half a minute.
@@ -34,22 +35,23 @@ def config(*overrides: str) -> DictConfig:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "optimizer"),
+    ("overrides", "optimizer", "penalty"),
     [
-        ([], MOMENTUM),
-        (["sync=bsp"], MOMENTUM),
-        (["sync=backup"], MOMENTUM),
-        (["sync=psp"], MOMENTUM),
-        (["sync=async"], DANA),
-        (["sync=ssp"], LOOKAHEAD),
-        (["sync=bfasgd"], FASGD),
+        ([], MOMENTUM, NONE),
+        (["sync=bsp"], MOMENTUM, NONE),
+        (["sync=backup"], MOMENTUM, NONE),
+        (["sync=psp"], MOMENTUM, NONE),
+        (["sync=async"], DANA, GAP_AWARE),  # DANA-GA, the Gap in rounds (conf/optimizer/dana_ga_round.yaml)
+        (["sync=ssp"], LOOKAHEAD, NONE),
+        (["sync=bfasgd"], FASGD, NONE),
     ],
     ids=["default", "bsp", "backup", "psp", "async", "ssp", "bfasgd"],
 )
-def test_each_policy_brings_its_default_optimizer(overrides, optimizer):
+def test_each_policy_brings_its_default_optimizer(overrides, optimizer, penalty):
     cfg = config(*overrides)
-    assert cfg.optimizer._target_ == optimizer
-    assert cfg.penalty._target_ == NONE
+    assert (cfg.optimizer._target_, cfg.penalty._target_) == (optimizer, penalty)
+    if penalty == GAP_AWARE:
+        assert (cfg.penalty.unit, cfg.penalty.eta_max) == ("round", cfg.optimizer.lr)  # eta_max = workers x lr
 
 
 @pytest.mark.parametrize(
@@ -64,6 +66,9 @@ def test_each_policy_brings_its_default_optimizer(overrides, optimizer):
         (["sync=ssp", "method=sa"], MOMENTUM, STALENESS_AWARE),
         (["sync=async", "method=asgd", "optimizer=adam"], "collsync.rules.adam", NONE),  # the command line wins
         (["sync=async", "penalty=gap_aware"], DANA, GAP_AWARE),  # a penalty combines with the policy's optimizer
+        (["sync=async", "penalty=none"], DANA, NONE),  # plain DANA
+        (["penalty=none", "sync=async"], DANA, NONE),
+        (["sync=async", "optimizer=dana"], DANA, NONE),  # an optimizer named replaces the default pair
     ],
 )
 def test_an_explicit_choice_wins_over_the_policys_default(overrides, optimizer, penalty):
@@ -74,9 +79,11 @@ def test_an_explicit_choice_wins_over_the_policys_default(overrides, optimizer, 
 def test_keys_set_on_the_command_line_reach_the_policys_optimizer():
     cfg = config("sync=async", "optimizer.lr=0.01", "optimizer.momentum=0.5")
     assert (cfg.optimizer._target_, cfg.optimizer.lr, cfg.optimizer.momentum) == (DANA, 0.01, 0.5)
-    # Gap-Aware's eta_max and momentum follow the optimizer that was chosen (interpolated from it).
-    cfg = config("sync=async", "penalty=gap_aware", "optimizer.lr=0.02")
-    assert (cfg.penalty.eta_max, cfg.penalty.momentum) == (0.02, 0.9)
+    # Gap-Aware's eta_max and momentum follow the optimizer that was chosen (interpolated from it); the default's
+    # Gap counts rounds of workers updates, the one named on the command line single updates (001_... Alg. 14).
+    for penalty, unit in ((), "round"), (("penalty=gap_aware",), "update"):
+        cfg = config("sync=async", *penalty, "optimizer.lr=0.02", "optimizer.momentum=0.5")
+        assert (cfg.penalty.eta_max, cfg.penalty.momentum, cfg.penalty.unit) == (0.02, 0.5, unit)
 
 
 def test_collsync_train_command_line_wins_too(tmp_path):
