@@ -35,7 +35,8 @@ def check_trace(
       round c only on version >= c - max_lead;
     * staleness is never negative;
     * a `lost` worker (`Server.lose`) is part of no later update, and from then on an update counts only the live
-      workers (its bounds above become at most n - lost); after a `world` event (a restart on n' workers) they are
+      workers (its bounds above become at most n - lost; under PSP, also less the workers an `away` event names:
+      `Server.pushing`); after a `world` event (a restart on n' workers) they are
       those of n' workers, none lost;
     * SpecSync: `abort` events only under a policy that speculates, each with `wasted` >= 0 seconds; where the trace
       has `start` events (the simulator), an abort ends that worker's gradient under way (same round and version,
@@ -69,6 +70,10 @@ def check_trace(
             # A restart on another number of workers (`runs.resume.refit`): the bounds are the new world's.
             workers, lost = e["workers"], set()
             quorum, full, least = _bounds(policy, workers, up_to_all)
+        elif ev == "away":
+            # PSP's workers in another collective (`Server.pushing`): the bounds count the others, from the policy's.
+            live = max(1, workers - len(lost) - len(e["workers"]))
+            quorum, full, least = (min(b, live) for b in _bounds(policy, workers, up_to_all))
         elif ev == "lost":
             lost.add(e["worker"])
             live = workers - len(lost)

@@ -221,7 +221,8 @@ def run_server(
     `until_left`: the workers' own loops decide when training ends (`collsync.torch`), not `server.steps`. The
     server stops (`Server.stop`) once every worker left a stream policy, or once any worker left a round policy
     (the rounds it would have joined can no longer complete); the others then read `done` (`departed()` names
-    the workers that left).
+    the workers that left). Under PSP, the workers that wait in another collective of their script (`away()`)
+    push nothing meanwhile, and a round counts only the others (`Server.pushing`).
 
     The hooks: `publish_delay`, a slow server (`stragglers=slow_server`) busy that many seconds after each update
     before workers see the new version, as the simulator models it; `between(server)`, after each message (or quiet
@@ -266,6 +267,8 @@ def run_server(
             left = mailbox.departed()
             if left and (policy.rounds or len(set(left) | set(server.lost)) == server.workers):  # every live one
                 server.stop()
+            elif policy.partial_push:
+                server.pushing(mailbox.away())  # PSP: a round counts the workers not in another collective
         if server.version != before or server.done:
             flush_at, last = None, now
             if publish_delay and server.version != before:

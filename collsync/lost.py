@@ -63,7 +63,8 @@ def lose_silent(server: Server, mailbox: ServingMailbox, heard: list[float], now
     # A worker whose gradient is buffered waits on the server (BSP's barrier, SSP's bound), not the other way round:
     # its silence starts only once that gradient is applied. Else, the round it waited for applied at last (another
     # worker lost, say), it would owe the next gradient having been "silent" all the while, and be lost at once.
-    for w in {a.worker for batch in server.pending.values() for a in batch}:
+    # A worker away (PSP: in another collective of its script, `Server.pushing`) is not silent either: it said so.
+    for w in {a.worker for batch in server.pending.values() for a in batch} | server.away:
         heard[w] = max(heard[w], now)
     silent = [w for w in range(server.workers) if w not in server.lost and now - heard[w] >= deadline]
     if silent:

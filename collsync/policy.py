@@ -69,13 +69,10 @@ def push_quorum(fraction: float, workers: int) -> int:
     """PSP's c from a fraction of the n workers: ceil(fraction x n), at least 1.
 
     003_... §2.3 and Alg. 1 (server lines 5-12) wait for "the first m <= k workers"; its setting, c = 28 of 32, is
-    0.875 x 32 exactly, so the paper fixes no rounding. Rounding up makes c = n wherever fraction x n > n - 1 (0.875
-    of 4 to 7 workers: psp's rounds then wait for every push), and is kept for that: rounding down (3 of 4) left a
-    Horovod-style script's psp across hosts stuck at its end. With torch's fixed shards every worker owes its whole
-    shard, and the worker left out of rounds (the one behind the slow link) still had batches when the others had
-    finished theirs and waited in the script's final allreduce: its rounds could no longer reach c, and nothing
-    ends a round short of c without `timeout` (benchmarks/README.md, "Server-sent parameters of the round modes").
-    Give `pushes` (or `timeout`, PSP's tau1) for a partial push at small n.
+    0.875 x 32 exactly, so the paper fixes no rounding. Rounding up (never fewer than the fraction says) makes c = n
+    wherever fraction x n > n - 1 (0.875 of 4 to 7 workers: psp's rounds then wait for every push); `pushes` gives
+    a partial push at small n. A round of c < n does not wait for workers that wait in another collective of
+    their script (`SyncPolicy.partial_push`).
     """
     return max(1, math.ceil(fraction * workers - 1e-9))
 
@@ -172,6 +169,14 @@ class SyncPolicy:
         if self.push_fraction is not None:
             return push_quorum(self.push_fraction, workers)
         return workers - self.backups if self.rounds else 1
+
+    @property
+    def partial_push(self) -> bool:
+        """PSP's partial push (003_... Alg. 1, server lines 5-12): a round takes the first c gradients of whichever
+        workers push, no worker in particular, so c counts only the workers still pushing: Q = min(c, n - lost - away)
+        (`Server.pushing`), where `away` are the workers waiting in another collective of their script
+        (`collsync.torch`). Not backup workers, BSP or SSP, whose rounds keep their quorum."""
+        return self.name == "psp"
 
     def tolerates(self, lost: int, workers: int) -> bool:
         """May training go on with `lost` of `workers` workers lost (silent for `deadline`)? `on_lost=stop` never;

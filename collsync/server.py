@@ -16,6 +16,7 @@ an MPI run of the same config agree bit for bit where the arrivals agree.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from collsync.guard import GUARDS, Diverged, finite, first_bad
 from collsync.policy import SyncPolicy
 from collsync.rules.base import SIGNAL, Rule, identity
 from collsync.server_state import load_into, state_of
-from collsync.trace import Trace
+from collsync.trace import Trace, recorded
 from collsync.types import Arrival, Context, Flat, Stamp
 
 __all__ = ["GUARDS", "Diverged", "Lost", "Server", "replay"]
@@ -97,6 +98,7 @@ class Server:
         self.clocks = [-1] * workers
         self.contributed = [0] * workers  # the last update each worker's gradient was part of (0: none yet)
         self.lost: list[int] = []  # workers lost (`lose`), in the order they were
+        self.away: frozenset[int] = frozenset()  # PSP: workers in another collective of their script (`pushing`)
         if self.needs_read:
             self._history[0] = self.view().clone()
 
@@ -145,6 +147,8 @@ class Server:
             staleness=self.version - arrival.version,
             **({"repeat": True} if repeat else {}),
         )
+        if arrival.worker in self.away:
+            self.pushing(self.away - {arrival.worker})  # back from its collective before the next look says so
         if self.done or (self.policy.rounds and arrival.clock < self.version) or arrival.worker in self.lost:
             self._drop(arrival, "finished" if self.done else "lost" if arrival.worker in self.lost else "late")
             return False
@@ -181,6 +185,20 @@ class Server:
             self.pending[key] = [a for a in self.pending[key] if a.worker != worker]
         self._advance()
         return True
+
+    def pushing(self, away: Collection[int]) -> None:
+        """PSP (`SyncPolicy.partial_push`): workers `away` push nothing for now (their scripts wait in another
+        collective), so a round takes Q = min(c, n - lost - away) gradients, F likewise (at least 1), traced `away`:
+        a worker that ran ahead is not held for rounds only it pushes to. Other policies: nothing changes."""
+        away = frozenset(away) - set(self.lost)
+        if self.policy.partial_push and away != self.away:
+            self.away, live = away, max(1, self.workers - len(self.lost) - len(away))
+            self._note("away", workers=sorted(away))
+            self.quorum, self.full = (
+                min(self.policy.quorum_for(self.workers), live),
+                min(self.policy.full_for(self.workers), live),
+            )
+            self._advance()
 
     def holds(self, grad: Flat | None) -> bool:
         """Whether the server still keeps `grad` (buffered for a later update, or B-FASGD's last gradient of a
@@ -345,7 +363,7 @@ class Server:
             workers=[a.worker for a in batch],
             clocks=[a.clock for a in batch],
             staleness=staleness,
-            **_recorded(stats or {}, opt, len(batch)),
+            **recorded(stats or {}, opt, len(batch)),
         )
 
     def _remember(self, batch: list[Arrival]) -> None:
@@ -380,13 +398,3 @@ def replay(
     for a in arrivals:
         server.accept(a)
     return server
-
-
-def _recorded(stats: dict[str, list[float]], opt: dict[str, float], gradients: int) -> dict[str, list[float]]:
-    """The statistics an `apply` event records, each a list of one value per gradient: the penalty's `stats`, and
-    the optimizer's `opt` where the update holds one gradient (its statistic is then that gradient's: Adam-GA's
-    Gap). A key both report keeps the penalty's."""
-    if gradients == 1:
-        for key, value in opt.items():
-            stats.setdefault(key, [value])
-    return stats

@@ -8,6 +8,7 @@ Events (all carry `t`, seconds of simulated or wall time, and `ev`):
 * `apply`  the server changed the parameters: version (after), workers, clocks, staleness (one per gradient)
 * `lost`   the server stopped waiting for a worker silent for the deadline: worker, rank, host, last_update (the
            last update its gradient was part of; 0: none); its later gradients are dropped (reason "lost")
+* `away`   PSP: the workers now in another collective of their script (`Server.pushing`): workers (all of them)
 * `eval`   test accuracy of theta (`acc`) and of its EMA (`ema_acc`), `loss`, at server `version`
 """
 
@@ -74,3 +75,13 @@ class Trace:
                     cut = "" if line.endswith("\n") else " (cut off: the run was killed while writing it?)"
                     raise ValueError(f"line {number} is not a JSON event{cut}: {exc}") from None
         return trace
+
+
+def recorded(stats: dict[str, list[float]], opt: dict[str, float], gradients: int) -> dict[str, list[float]]:
+    """The statistics an `apply` event records, each a list of one value per gradient: the penalty's `stats`, and
+    the optimizer's `opt` where the update holds one gradient (its statistic is then that gradient's: Adam-GA's
+    Gap). A key both report keeps the penalty's."""
+    if gradients == 1:
+        for key, value in opt.items():
+            stats.setdefault(key, [value])
+    return stats

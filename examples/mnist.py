@@ -96,6 +96,9 @@ def main() -> None:
         help="--sync backup: how long a round waits for the last b gradients: auto (from the measured arrivals), "
         "seconds, or none (drop b every round)",
     )
+    parser.add_argument(
+        "--pushes", type=int, default=None, help="--sync psp: c, the gradients a round takes (default: psp's fraction)"
+    )
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() as under Horovod")
@@ -140,7 +143,8 @@ def main() -> None:
     if COLLSYNC:
         margin = None if args.margin == "none" else args.margin if args.margin == "auto" else float(args.margin)
         backup = {"backups": args.backups, "margin": margin}
-        options = {"sync": args.sync, **(backup if args.sync == "backup" else {})}
+        partial = {"pushes": args.pushes} if args.sync == "psp" and args.pushes is not None else {}
+        options = {"sync": args.sync, **(backup if args.sync == "backup" else {}), **partial}
         hvd.init(sync=args.sync)  # a parameter-server mode reserves rank 0 as the server here
     else:
         hvd.init()

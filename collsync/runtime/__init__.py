@@ -68,6 +68,10 @@ class ServingMailbox(Mailbox, Protocol):
         """The workers that left (their script's loop ended) or read the final `done`."""
         ...
 
+    def away(self) -> list[int]:
+        """The workers that said they push nothing for now (a script's worker waiting in another collective)."""
+        ...
+
     def locate(self, worker: int) -> tuple[int | None, str | None]:
         """Where this worker runs: its rank and host, where known (a lost worker's trace event records them)."""
         ...

@@ -33,8 +33,10 @@ read's fallback, evaluators' `snapshot`, PSP's stale blocks) and the slot word t
   when a worker sees its slot free, any version its gradient produced is published, and its next read includes
   its own push, as when a parameter server answers a push with the new parameters (001_... Alg. 1-2) and as in
   the simulator.
-* close (server): after the final publish (done), wait until every worker set `finished`; gradients still in slots
-  are returned so the server can drop them (every push is applied or dropped exactly once).
+* away (worker): `finished` <- 2 while its script waits in another collective, 0 before its next push (PSP's
+  rounds count the others meanwhile, `Server.pushing`); `finished` <- 1 is for good.
+* close (server): after the final publish (done), wait until every worker set `finished` (1); gradients still in
+  slots are returned so the server can drop them (every push is applied or dropped exactly once).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from collsync.runtime.mpi_rma_serve import ServedWindow
+from collsync.runtime.mpi_rma_serve import AWAY, FINISHED, ServedWindow
 from collsync.runtime.mpi_sent import as_float
 from collsync.types import Arrival, Flat, Stamp
 
@@ -105,7 +107,7 @@ class WindowMailbox(ServedWindow):
             stamp = Stamp(version, bool(done), as_float(signal))
             if stamp.done:
                 if self.worker >= 0:
-                    self._store(self._slot(self.worker) + 3, 1)  # finished: close() stops waiting for us
+                    self._store(self._slot(self.worker) + 3, FINISHED)  # finished: close() stops waiting for us
                 return stamp
             if self._sent:
                 # Read your own writes, as a parameter server answers a push with the parameters it produced
@@ -146,7 +148,7 @@ class WindowMailbox(ServedWindow):
         self._heard = (-1, now)
         self._read_once = True
         if stamp.done:
-            self._store(self._slot(self.worker) + 3, 1)  # finished: close() stops waiting for us
+            self._store(self._slot(self.worker) + 3, FINISHED)  # finished: close() stops waiting for us
             return stamp
         self._sent, self._free = False, True
         if not ready(stamp):
@@ -213,8 +215,15 @@ class WindowMailbox(ServedWindow):
             self._ctrl.store_many(self._slot(self.worker), self._full, flush=not read_next)
         self._sent = True
 
+    def mark_away(self, away: bool) -> None:
+        """Worker: `True` while this worker pushes nothing for a while (its script waits in another collective),
+        `False` before its next push; a PSP server's rounds count only the others meanwhile (`Server.pushing`).
+        Never after `leave` or the final `done`: the word says finished for good."""
+        if self.worker >= 0:
+            self._store(self._slot(self.worker) + 3, AWAY if away else 0)
+
     def leave(self) -> None:
         """Worker: training is over for this worker (its script's loop ended). A server running `until_left`
         stops once the policy can go on without it; `close()` stops waiting for it."""
         if self.worker >= 0:
-            self._store(self._slot(self.worker) + 3, 1)
+            self._store(self._slot(self.worker) + 3, FINISHED)

@@ -23,6 +23,9 @@ from collsync.types import Arrival, Flat, Stamp
 
 _HDR = 4  # seq, version, done, signal (float64 bits)
 _SLOT = 4  # full, version, clock, finished
+# The slot's last word, written by its worker only: 0 pushing, 1 finished (left, or read `done`: for good), 2 away
+# (waiting in another collective of its script, until its next push; PSP's rounds then count the others).
+FINISHED, AWAY = 1, 2
 
 
 class ServedWindow(Windows):
@@ -154,7 +157,11 @@ class ServedWindow(Windows):
 
     def departed(self) -> list[int]:
         """Server: the workers that left (or read the final `done`)."""
-        return [w for w in range(self.workers) if self._load(self._slot(w) + 3)]
+        return [w for w in range(self.workers) if self._load(self._slot(w) + 3) == FINISHED]
+
+    def away(self) -> list[int]:
+        """Server: the workers that said they push nothing for now (`WindowMailbox.mark_away`)."""
+        return [w for w in range(self.workers) if self._load(self._slot(w) + 3) == AWAY]
 
     def _take(self, w: int, defer: bool = False) -> Arrival | None:
         slot = self._slot(w)
@@ -250,7 +257,7 @@ class ServedWindow(Windows):
                 self.outbox.forget(w)
         while True:
             # A lost worker is not waited for (it may never run again); what it has in its slot is taken all the same.
-            out = [w for w in range(self.workers) if w not in lost and not self._load(self._slot(w) + 3)]
+            out = [w for w in range(self.workers) if w not in lost and self._load(self._slot(w) + 3) != FINISHED]
             for w in range(self.workers):
                 arrival = self._take(w)
                 if arrival is not None:

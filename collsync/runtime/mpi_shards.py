@@ -180,6 +180,11 @@ class ShardedMailbox:
         for shard in posted:
             shard.complete(read_next=read_next)
 
+    def mark_away(self, away: bool) -> None:
+        """Every shard is told that this worker pushes nothing for now, or again (see `WindowMailbox.mark_away`)."""
+        for shard in self.shards:
+            shard.mark_away(away)
+
     def leave(self) -> None:
         """This worker's training is over: every shard is told (see `WindowMailbox.leave`)."""
         for shard in self.shards:

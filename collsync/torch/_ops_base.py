@@ -281,6 +281,7 @@ def _headers(comm: Any) -> Any:
     holds `comm` itself, so its id stays its own."""
     entry = _HEADERS.get(id(comm))
     if entry is None or entry[0] is not comm:
+        _stall.STALL.tick()  # the Dups wait for every worker: the hooks run as on any wait (PSP's `ServerMode._away`)
         entry = _HEADERS[id(comm)] = (
             comm,
             comm.Dup(),

@@ -22,6 +22,7 @@ from collsync.lost import grace, silence_bound
 from collsync.runtime.mpi_shards import Shards
 from collsync.runtime.mpi_world import open_mpi
 from collsync.runtime.watchdog import worker_watchdog
+from collsync.torch import _stall
 from collsync.torch._mode import Mode, one_dtype
 from collsync.torch._world import World, shutdown
 from collsync.torch.config import SyncConfig, factory
@@ -78,6 +79,10 @@ class ServerMode(Mode):
         self.finished = False
         self.left = False
         self.closed = False
+        # PSP: whether the servers were told that this worker waits in another collective of the script (`_away`).
+        self.away = False
+        if policy.partial_push:
+            _stall.STALL.hooks.append(self._away)
         self._lost: list[dict[str, Any]] = []  # the workers the servers lost, as server rank 0 says at `close()`
         self.spec: Speculating | None = None
         if policy.speculation is not None:
@@ -121,6 +126,9 @@ class ServerMode(Mode):
                 "parameter server applies the rule it was given at construction",
                 stacklevel=5 if self.spec is not None else 4,
             )
+        if self.away:
+            self.mailbox.mark_away(False)  # before the push: the servers never see it while they count us away
+            self.away = False
         naive_wait = self.spec is not None and self.spec.wait > 0  # SpecSync's naive waiting sleeps before the pull
         push(self.worker, self.mailbox, self.flat.grads().clone(), pull_next=not naive_wait)
         if self.spec is not None:
@@ -128,6 +136,15 @@ class ServerMode(Mode):
         self._pull()
         if self.spec is not None:
             self.spec.pulled()
+
+    def _away(self) -> None:
+        """PSP, on every wait inside another collective of the script (`_stall.STALL`'s hooks): this worker pushes
+        nothing until its next step, and the servers are told once (`Server.pushing`), so that a worker still
+        training (with batches left of torch's fixed shard, left out of most rounds and its round skipped ahead) is
+        not held for rounds of c pushes the waiting workers will not send: it trains on, and the collective ends."""
+        if not self.away and not self.finished:
+            self.mailbox.mark_away(True)
+            self.away = True
 
     @property
     def version(self) -> int:
@@ -163,6 +180,8 @@ class ServerMode(Mode):
     def leave(self) -> None:
         if not self.left:
             self.mailbox.leave()
+            if self._away in _stall.STALL.hooks:
+                _stall.STALL.hooks.remove(self._away)
             self.left = True
             self.finished = True
             self.watchdog.__exit__(None, None, None)

@@ -189,6 +189,24 @@ def test_options_beside_inits_mode_merge_and_contradictions_are_refused():
     }
 
 
+@pytest.mark.serial
+@pytest.mark.parametrize("ranks", [4, 5])
+def test_psp_with_a_partial_push_ends_a_script_whose_fast_workers_wait_in_an_allreduce(ranks):
+    """Issue 33: psp with c = n - 1 of n workers, torch's fixed shards and a slow last worker left out of the rounds.
+    Before, the others finished their epoch's batches and waited in the script's allreduce while the slow worker
+    waited for rounds of c pushes only it sent: the job hung until the deadline (600 s by default, kept here). Now
+    those workers are away and its rounds take its gradient alone (`Server.pushing`): every worker steps through
+    its whole shard and each epoch's allreduce comes. The launch's limit only turns a hang into a failure."""
+    proc = mpirun(ranks, str(SCRIPTS / "torch_psp_end.py"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    workers = ranks - 1
+    # The launcher may deliver two ranks' lines run together: matched anywhere, not line by line.
+    lines = re.findall(r"worker (\d): (\d+) steps, allreduced \[(\d+), (\d+)\], finished (True|False)", proc.stdout)
+    assert sorted(int(w) for w, *_ in lines) == list(range(workers)), proc.stdout
+    # 6 batches an epoch each: every worker's whole shard stepped (none skipped as finished), both epochs summed.
+    assert {(int(n), int(a), int(b), f) for _, n, a, b, f in lines} == {(12, 6 * workers, 12 * workers, "False")}
+
+
 def test_example_runs_on_horovod_by_its_import_line(tmp_path):
     have_horovod()
     source = (ROOT / "examples" / "mnist.py").read_text()

@@ -304,3 +304,17 @@ def test_a_worker_that_waited_on_the_server_is_not_silent_when_its_round_is_appl
     assert server.lost == [1]
     with pytest.raises(TimeoutError, match="round 1 got no gradient"):  # both silent for the deadline: none left
         lose_silent(server, box, heard, now + 5.1)
+
+
+def test_a_psp_worker_away_in_a_collective_is_not_silent():
+    """psp, c = 2 of 3: workers 0 and 1 wait in another collective of their script (`Server.pushing`) and send
+    nothing for longer than the deadline while worker 2 trains on: they said so, and are not lost; back from it, a
+    worker's silence starts at the last look that saw it away."""
+    server, box = make(psp(pushes=2, deadline=5.0), 3), Threads(3, 3)
+    now = time.monotonic()
+    heard = [now - 6.0, now - 6.0, now + 5.0]  # worker 2 pushes on
+    server.pushing([0, 1])
+    assert not lose_silent(server, box, heard, now) and server.lost == []
+    server.pushing([])
+    assert not lose_silent(server, box, heard, now + 4.9) and server.lost == []
+    assert lose_silent(server, box, heard, now + 5.1) and server.lost == [0, 1]

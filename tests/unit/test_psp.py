@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from collsync.checks import check_trace
-from collsync.policy import SyncPolicy, asynchronous, bsp, psp, push_quorum, ssp
+from collsync.policy import SyncPolicy, asynchronous, backup, bsp, psp, push_quorum, ssp
 from collsync.rules import sgd
 from collsync.runtime.mpi_shards import shard_bounds
 from collsync.server import Server
@@ -97,6 +97,45 @@ def test_psp_without_timeout_applies_at_c():
     server.accept(arrival(1, 0, 1.0))
     server.accept(arrival(2, 0, 1.0))
     assert server.version == 1 and not server.collecting()
+
+
+def test_psp_rounds_count_only_the_workers_still_pushing():
+    """Issue 33: c = 3 of 4, workers 0-2 away (waiting in another collective of their script): worker 3's round,
+    which only it pushes to, is applied with its gradient alone at once (Q = min(c, n - away) = 1), and its next
+    round too; back, a worker counts again (its push is the word), and the trace checks hold throughout."""
+    policy = psp(pushes=3)
+    server = make(policy, 4)
+    for w in range(3):
+        server.accept(arrival(w, 0, 1.0))
+    assert server.version == 1
+    server.accept(Arrival(3, 1, torch.full((2,), 4.0, dtype=torch.float64), 1))
+    assert server.version == 1  # 1 of c = 3: waits
+    server.pushing([0, 1, 2])
+    assert server.version == 2 and server.quorum == 1 and server.trace.of("apply")[-1]["workers"] == [3]
+    server.accept(Arrival(3, 2, torch.full((2,), 4.0, dtype=torch.float64), 2))
+    assert server.version == 3
+    server.accept(Arrival(0, 3, torch.full((2,), 1.0, dtype=torch.float64), 3))  # worker 0 steps again: back
+    assert server.away == {1, 2} and server.quorum == 2 and server.version == 3
+    server.pushing([])
+    assert server.quorum == 3 and server.version == 3
+    assert [e["workers"] for e in server.trace.of("away")] == [[0, 1, 2], [1, 2], []]
+    server.stop()  # the script ends: worker 0's gradient of round 3 is dropped
+    counts = check_trace(server.trace, policy, 4)
+    assert counts["updates"] == 3 and counts["applied"] == 5 and counts["dropped"] == 1
+    # The same updates without the `away` events break the checks: an update of 1 gradient where c = 3.
+    with pytest.raises(Exception, match=r"update 2 aggregated 1 gradients, not in \[3, 3\]"):
+        check_trace([e for e in server.trace.events if e["ev"] != "away"], policy, 4)
+
+
+@pytest.mark.parametrize(
+    "policy", [bsp(), backup(1), ssp(max_lead=0, timeout=1.0), ssp(max_lead=2)], ids=["bsp", "backup", "ssp0", "ssp"]
+)
+def test_only_psp_counts_the_workers_still_pushing(policy):
+    """BSP, SSP (also at bound 0 with a timeout: quorum 1) and backup keep their rounds' quorum: `pushing` is PSP's."""
+    server = make(policy, 3)
+    before = (server.quorum, server.full)
+    server.pushing([0, 1])
+    assert (server.quorum, server.full) == before and not server.away and not server.trace.of("away")
 
 
 def test_ssp_with_timeout_applies_a_round_without_the_frozen_worker():
