@@ -37,15 +37,55 @@ class Margin:
     thread), a worker dropped once lags by the host's whole step, and only a wait of about T brings it back in step;
     for the same reason the bound is T / N, not S / N: with a quorum of 1 (2 workers, 1 backup) T / N is the whole
     period, and such a worker is still waited for.
+
+    And waiting is weighed against closing at the quorum at once (with `workers` given): the period T of the rounds
+    this rank closed is kept, as a running mean (gain 1/8), apart for those that waited and took every worker
+    (T_all) and those closed at once (T_now), and the rounds close at once where n / T_all < N / T_now (fewer
+    gradients a second when they wait), else wait as above; every `EXPLORE`-th round takes the other choice, so that
+    both means follow the run (a worker that got faster, or slower). The arrival gap alone does not see what a late
+    worker costs once it is in: across hosts a worker behind a slow link arrives within the margin, but every
+    message of its round's exchange crosses that link; and a margin that runs out for nobody costs its whole
+    length. The period shows both (benchmarks/README.md, "A late host's rounds by message").
     """
 
     mean: float | None = None
     dev: float = 0.0
     estimate: float | None = None
+    period_all: float | None = None  # T_all: the running mean period of the rounds that waited and took everyone
+    period_now: float | None = None  # T_now: of the rounds closed at their quorum at once
+    decided: int = 0  # the rounds decided by weighing (every EXPLORE-th takes the other choice)
+    now: bool = False  # the last round decided was closed at once
 
-    def limit(self, period: float, quorum: int, step: float | None = None) -> float:
+    def paced(self, period: float, complete: bool) -> None:
+        """The last round decided (`limit`) took `period` seconds (from the closing rank's arrival in it to its
+        arrival in the next); `complete`: every worker's gradient was in it. A round that waited and missed some
+        is not counted (its wait was spent for nothing: neither choice's period)."""
+        if not (self.now or complete):
+            return
+        last = self.period_now if self.now else self.period_all
+        value = period if last is None else last + (period - last) / 8
+        if self.now:
+            self.period_now = value
+        else:
+            self.period_all = value
+
+    def waiting_pays(self, quorum: int, workers: int) -> bool:
+        """Whether rounds that waited for all `workers` gave at least as many gradients a second as those closed at
+        `quorum` at once (True until both were seen)."""
+        if self.period_all is None or self.period_now is None:
+            return True
+        return workers / max(self.period_all, 1e-9) >= quorum / max(self.period_now, 1e-9)
+
+    def limit(self, period: float, quorum: int, step: float | None = None, workers: int | None = None) -> float:
         """The margin in seconds for a round of `quorum` gradients at `period` seconds a round (T above), `step`
-        seconds the closing rank's own step (S above; None: not known)."""
+        seconds the closing rank's own step (S above; None: not known), of `workers` in all (None: not known,
+        waiting is not weighed against closing at the quorum)."""
+        self.now = False
+        if workers is not None and quorum < workers:
+            self.decided += 1
+            self.now = self.waiting_pays(quorum, workers) == (self.decided % EXPLORE == 0)
+            if self.now:
+                return 0.0
         high = max(period, 0.0)
         if step is not None and self.mean is not None and self.mean > step:
             return high / quorum  # the late ones come more than a step late: only what is always worth trying
@@ -54,7 +94,9 @@ class Margin:
 
     def observe(self, gap: float, complete: bool, limit: float) -> None:
         """After a round: `gap`, seconds from its quorum-th arrival to its last one seen; `complete`, whether every
-        rank came within `limit`, the margin it had."""
+        rank came within `limit`, the margin it had (a round closed at once tells nothing of the gap)."""
+        if self.now:
+            return
         if not complete:
             self.estimate = limit / 2
             return
@@ -64,6 +106,9 @@ class Margin:
             self.dev += (abs(gap - self.mean) - self.dev) / 4
             self.mean += (gap - self.mean) / 8
         self.estimate = self.mean + 4 * self.dev
+
+
+EXPLORE = 8  # a round in this many takes the choice that has not paid (`Margin.limit`)
 
 
 def check_margin(margin: float | str | None) -> None:
@@ -82,6 +127,8 @@ class RoundTimes:
 
     margin: Margin
     quorum: int
+    workers: int | None = None  # all of them (None: closing at the quorum is not weighed, `Margin.waiting_pays`)
+    complete: bool | None = None  # whether the last round applied had every worker's gradient
     closed_at: float | None = None  # the last round's quorum-th arrival
     quorum_at: float | None = None  # this round's
     last: float = 0.0
@@ -100,7 +147,9 @@ class RoundTimes:
         """The margin for the round whose quorum-th gradient came `now` after the closing worker's `step` seconds
         of compute; before any round closed, the period is that step."""
         period = now - self.closed_at if self.closed_at is not None else step
-        self.used = self.margin.limit(period, self.quorum, step)
+        if self.closed_at is not None and self.complete is not None:
+            self.margin.paced(period, self.complete)  # the last round's period, and whether it took everyone
+        self.used = self.margin.limit(period, self.quorum, step, self.workers)
         return self.used
 
     def applied(self, complete: bool) -> None:
@@ -108,4 +157,5 @@ class RoundTimes:
         if self.quorum_at is not None:
             self.margin.observe(self.last - self.quorum_at, complete, self.used)
             self.closed_at = self.quorum_at
+        self.complete = complete
         self.quorum_at, self.count = None, 0

@@ -126,7 +126,6 @@ from collsync.runtime.mpi_partial_windows import (
     tag_state,
     writing_tag,
 )
-from collsync.runtime.mpi_windows import Backoff
 from collsync.runtime.mpi_world import RankLost
 from collsync.types import Flat
 
@@ -144,6 +143,9 @@ class PartialAllreduce(DirectRounds, PartialWindows):
     contributions averaged. `free()` (collective) releases the windows. `watch=True` (ULFM): see `mpi_partial_lost`.
     """
 
+    _previous = False  # whether the last round read took every live rank (`Margin.paced`)
+    _closed_round = -2  # the last round this rank closed with the auto margin
+
     # -- one round -------------------------------------------------------------------------------------------------
     def __call__(self, tensor: Flat, quorum: int, round: int, *, out: Flat | None = None) -> PartialResult:
         """Contribute `tensor` to round `round`; return the round's mean (first `quorum` contributions, rank order).
@@ -152,6 +154,8 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         self._check_not_stranded()
         check_call(self.numel, self.size, self.round, round, quorum, tensor)
         period, self._arrived_before = now - self._arrived_before, now  # since this rank's arrival a round ago
+        if self._closed_round == round - 1:  # the round this rank closed: its period
+            self._margin.paced(period, self._previous)
         step = now - self._read_at  # its own step: from the last mean it read to this arrival
         if out is not None:  # checked before the round starts: a ticket taken cannot be given back
             check_out(out, self.numel, self.dtype)
@@ -159,6 +163,8 @@ class PartialAllreduce(DirectRounds, PartialWindows):
             return self._full(tensor, round, out)
         if self.tolerate:
             self._check_not_lost()
+        if self.direct:
+            self._flush_deferred()
         self._publish_read()
         data = tensor.detach().to(self.dtype).contiguous()
         self._gate(round)
@@ -166,7 +172,7 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         if self.direct and index >= quorum and self.margin is None and not closed:  # dropped, before the close
             return self._finish(quorum, round, *self._direct_round(None, quorum, round, before, (period, step), out))
         if index >= quorum and (self.margin is None or closed):
-            return self._collect(quorum, round, None, out)
+            return self._await_delivered(quorum, round, out) if self.direct else self._collect(quorum, round, None, out)
         if self.direct:
             record, mean = self._direct_round(data, quorum, round, before, (period, step), out)
             return self._finish(quorum, round, record, mean)
@@ -181,6 +187,8 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         check_call(self.numel, self.size, self.round, round, quorum, None)
         if self.tolerate:
             self._check_not_lost()
+        if self.direct:  # its delivery, or None: no round trip (`mpi_partial_deliver`)
+            return self._take_delivered(quorum, round)
         if tag_state(self._load(self._entry_at(round) + 1), round) != READY:
             return None
         self._arrived_before = time.monotonic()  # this rank's arrival in `round`, too late to count
@@ -230,7 +238,8 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         if isinstance(margin, (int, float)):
             limit = float(margin)
         else:  # "auto" (None never comes here: it closes at once)
-            limit, auto = self._margin.limit(period, quorum, step), True
+            limit, auto = self._margin.limit(period, quorum, step, self.size - len(self.lost)), True
+            self._closed_round = round_
         start = last = time.monotonic()
         seen, backoff = quorum, self._backoff
         backoff.reset()
@@ -305,36 +314,11 @@ class PartialAllreduce(DirectRounds, PartialWindows):
     def _full_done(self, mean: Flat, round_: int) -> PartialResult:  # the bookkeeping after a full round
         mean.div_(self.size)
         self._full_rounds[round_ % self.depth] += 1
+        self._previous = True
         self._floor = max(self._floor, round_)  # every rank entered round_, so every rank had read round_ - 1
         self.round = round_ + 1
         self._read_at = time.monotonic()
         return PartialResult(mean, round_, self.size, list(range(self.size)), [])
-
-    def _roll_call(self, round_: int) -> str:
-        """After a full round's allreduce timed out here: mark this rank as alive and waiting, give the others up to
-        `timeout` to do the same, and name the ranks that never posted the round or never answered."""
-        self._store(self._waited + self.rank, round_)
-        deadline = time.monotonic() + (self.timeout or 0.0)
-        backoff = Backoff(cap=0.01, check=self._backoff.check)
-        while True:
-            read = self._load_many(self._read, self.size)
-            waited = self._load_many(self._waited, self.size)
-            # Not waiting in round_ and not past it (read[r] is a lower bound): not there, or stopped inside it.
-            silent = [r for r in range(self.size) if waited[r] < round_ and read[r] <= round_]
-            if not silent or time.monotonic() >= deadline:
-                break
-            backoff.wait()
-        cause = (
-            "; waiting on "
-            + ", ".join(f"rank {r} on {self._hosts[r]}" for r in silent)
-            + " (not in the allreduce, or stopped inside it)"
-            if silent
-            else ": every rank is waiting inside it (MPI made no progress, or ranks disagree on the quorum)"
-        )
-        return (
-            f"{self._who}: partial allreduce: round {round_} (all {self.size} ranks: an allreduce) did not complete "
-            f"after timeout={self.timeout}s" + cause
-        )
 
     def _collect(self, quorum: int, round_: int, own: Flat | None, out: Flat | None = None) -> PartialResult:
         """Steps 5-6: wait for the round (summing this rank's block on the way if `own`, its contribution, was
@@ -373,16 +357,20 @@ class PartialAllreduce(DirectRounds, PartialWindows):
             raise RuntimeError(self._overwritten(round_) + " (while it was being read)")
         return self._finish(quorum, round_, record, mean)
 
-    def _finish(self, quorum: int, round_: int, record: np.ndarray, mean: Flat) -> PartialResult:
-        """Check the round's `record` ([quorum, count, ranks[n]]), mark it read (the gate), return its result."""
+    def _finish(self, quorum: int, round_: int, record: np.ndarray, mean: Flat, store: bool = True) -> PartialResult:
+        """Check the round's `record` ([quorum, count, ranks[n]]), mark it read (the gate; `store` False: later, by
+        `_flush_deferred`), return its result."""
         if int(record[0]) != quorum:
             raise ValueError(
                 f"{self._who}: partial allreduce: round {round_} ran with quorum={int(record[0])}, "
                 f"this rank asked for {quorum=}: every rank must pass the same quorum"
             )
         contributors, dropped = split([int(r) for r in record[2 : 2 + int(record[1])]], self.size)
-        self._store(self._read + self.rank, round_ + 1)
-        self._stored_read = self.round = round_ + 1
+        self._previous = len(contributors) >= self.size - len(self.lost)
+        if store:
+            self._store(self._read + self.rank, round_ + 1)
+            self._stored_read = round_ + 1
+        self.round = round_ + 1
         if self.lost:
             self._read_for_lost()
         self._read_at = time.monotonic()

@@ -20,10 +20,9 @@ t at rank r, once its ticket says it counts:
    bits whichever rank sums, whatever the cut.
 4. allgather: contributor i sends its block of the mean to every other contributor and receives theirs.
    A contributor moves 2 (count - 1) / count of the vector each way, what a ring `MPI_Allreduce` moves.
-5. one contributor (the host if it counts, else one on the host's machine, else the first) Puts the mean into the
-   host's ring and writes tag and record in one `Accumulate(REPLACE)`, for the ranks dropped or late, which read
-   the ring exactly as on the host-summed path (`try_read`, the seqlock, the catch-up); the others go on.
-6. read[r] <- t + 1 (the gate), as before.
+5. one contributor (the writer: the host if it counts, else one on the host's machine, else the first) Puts the
+   mean into the host's ring (tag and record in one `Accumulate(REPLACE)`) and sends it with the record to every
+   rank outside the exchange (`mpi_partial_deliver`: a late rank takes it with no round trip); 6. read[r] <- t + 1.
 
 Round trips to the host per contributor: the ticket and read[r] (the closer adds its close, the writer the ring's
 Put and the tag); three message phases between contributors, each one latency. Membership, the margin, the drop
@@ -45,7 +44,9 @@ import numpy as np
 import torch
 
 from collsync import keepalive
-from collsync.runtime.mpi_windows import Backoff, RmaCounts
+from collsync.runtime import PartialResult
+from collsync.runtime.mpi_partial_deliver import Deliveries
+from collsync.runtime.mpi_windows import Backoff, RmaCounts, Words
 from collsync.runtime.mpi_world import RankLost
 from collsync.types import Flat
 
@@ -78,6 +79,7 @@ LARGE_MESSAGE = 1 << 16
 # Requests abandoned by a timeout with their buffers: MPI may still complete them (a late peer), writing the buffer.
 # (mpi4py's requests hold their buffers.)
 _STRANDED: list[list[Any]] = []
+_RING_AFTER_S = 0.5  # how long a rank waits for a delivery before it also looks at the ring (`_await_delivered`)
 
 
 def writer_of(ranks: Sequence[int], host: int, hosts: Sequence[str]) -> int:
@@ -94,16 +96,19 @@ class Messages:
     message an operation (`Isend`, `Irecv`) and its bytes, each wait for a phase that has messages one blocking
     round trip, each pause in it one local test (`RmaCounts.tests`, not a round trip)."""
 
-    def __init__(self, comm: MPI.Comm, mpi_t: Any, backoff: Backoff) -> None:
+    def __init__(self, comm: MPI.Comm, mpi_t: Any, backoff: Backoff, deliveries: Deliveries | None = None) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
         self.MPI, self.comm, self.mpi_t, self.backoff = MPI, comm.Dup(), mpi_t, backoff
         tag_ub = self.comm.Get_attr(MPI.TAG_UB)
         self.rounds = max(1, int(tag_ub if tag_ub is not None else 32767) // _PHASES)
         self.counts: RmaCounts | None = None
+        self.deliveries = deliveries  # the means sent to the ranks outside an exchange
 
     def count_into(self, counts: RmaCounts) -> None:
         self.counts = counts
+        if self.deliveries is not None:
+            self.deliveries.count_into(counts)
 
     def tag(self, round_: int, phase: int) -> int:
         """Rounds more than `rounds` apart never meet: the gate keeps ranks within the ring's depth."""
@@ -184,6 +189,8 @@ class Messages:
             self.counts.round_trips += 1
 
     def free(self) -> None:
+        if self.deliveries is not None:
+            self.deliveries.free()
         if self.comm != self.MPI.COMM_NULL:
             self.comm.Free()
 
@@ -202,6 +209,13 @@ class DirectRounds:
     margin: float | str | None
     msgs: Messages | None
     win_ring: Any
+    win_ctrl: Any
+    lost: dict[int, int]
+    round: int
+    _words: Words
+    _read: int
+    _stored_read: int
+    _arrived_before: float
     _mpi_t: Any
     _hosts: list[str]
     _who: str
@@ -215,6 +229,13 @@ class DirectRounds:
         def _publish_ready(self, round_: int, record: np.ndarray) -> None: ...
         def _arrived(self, round_: int) -> int: ...
         def _late(self, round_: int) -> str: ...
+        def _entry_at(self, round_: int) -> int: ...
+        def _entry_state(self, round_: int) -> tuple[str, np.ndarray | None]: ...
+        def _bit(self, rank: int) -> int: ...
+        def _collect(self, quorum: int, round_: int, own: Flat | None, out: Flat | None = None) -> PartialResult: ...
+        def _finish(
+            self, quorum: int, round_: int, record: np.ndarray, mean: Flat, store: bool = True
+        ) -> PartialResult: ...
 
     def _direct_round(
         self,
@@ -258,7 +279,66 @@ class DirectRounds:
         record[2 + count :] = -1  # the round's record names its contributors; the listeners were dropped
         if self.rank == writer_of(ranks, self.host, self._hosts):
             self._write_ring(mean, record, round_)
+            inside = {*ranks, *listeners, *self.lost}
+            assert msgs.deliveries is not None
+            msgs.deliveries.send(round_, record, mean, [r for r in range(n) if r not in inside])
         return record, mean
+
+    # -- a rank outside the round's exchange: its delivery (`mpi_partial_deliver`) ---------------------------------
+    def _take_delivered(self, quorum: int, round_: int) -> PartialResult | None:
+        """`try_read`: round `round_` from its delivery if it came (its ticket drawn with no answer), else None."""
+        assert self.msgs is not None and self.msgs.deliveries is not None
+        d = self.msgs.deliveries
+        if (got := d.take(round_)) is None:
+            self._flush_deferred(final=True)
+            return None
+        self._arrived_before = time.monotonic()  # this rank's arrival in `round_`, too late to count
+        record, mean = got
+        d.ticket[0] = self._bit(self.rank)
+        target = (self._entry_at(round_), 1, self.MPI.INT64_T)
+        self.win_ctrl.Accumulate([d.ticket, self.MPI.INT64_T], self.host, target=target, op=self.MPI.SUM)
+        d.tickets_pending = True
+        result = self._finish(quorum, round_, record, mean, store=False)
+        if round_ + 1 not in d.arrived:
+            self._flush_deferred(final=True)  # no backlog: the caller may compute, or stop, before its next call
+        return result
+
+    def _await_delivered(self, quorum: int, round_: int, out: Flat | None) -> PartialResult:
+        """This rank's ticket came after the close of `round_`: wait for its delivery (local tests), looking at the
+        ring every `_RING_AFTER_S` (a writer lost after the ring's copy sends nothing); `timeout` as any wait."""
+        assert self.msgs is not None and self.msgs.deliveries is not None
+        msgs, deliveries = self.msgs, self.msgs.deliveries
+        backoff, start = msgs.backoff, time.monotonic()
+        looked = start
+        backoff.reset()
+        while (got := deliveries.take(round_)) is None:
+            now = time.monotonic()
+            if now - looked >= _RING_AFTER_S:
+                looked = now
+                if self._entry_state(round_)[0] == "ready":
+                    return self._collect(quorum, round_, None, out)
+            limit = keepalive.patience(self.timeout)  # shorter once the launcher said that a rank died
+            if limit is not None and now - start >= limit:
+                raise RankLost(self._unclosed(round_, quorum) + f" after timeout={limit}s")
+            if msgs.counts is not None:
+                msgs.counts.tests += 1  # a local test, not a round trip
+            backoff.wait()
+        record, mean = got
+        return self._finish(quorum, round_, record, mean if out is None else out.copy_(mean))
+
+    def _flush_deferred(self, final: bool = False) -> None:
+        """Complete the tickets drawn with no answer, then write read[rank] (after them: MPI orders accumulates to
+        one word, not two; the gate must not let a rank into an entry before them), completed too if `final` (a rank
+        stopped then leaves both agreeing, as `mpi_partial_lost` needs), else by the next `Flush`."""
+        assert self.msgs is not None and self.msgs.deliveries is not None
+        d = self.msgs.deliveries
+        if d.tickets_pending or d.read_pending:
+            self.win_ctrl.Flush(self.host)  # also completes the last read counter's write: its buffer is free
+            d.tickets_pending = d.read_pending = False
+        if self._stored_read < self.round:
+            d.read_word[0] = self.round
+            self._words.store_many(self._read + self.rank, d.read_word, flush=final)
+            self._stored_read, d.read_pending = self.round, not final
 
     def _exchange(self, own: Flat | None, ranks: list[int], listeners: list[int], round_: int, mean: Flat) -> None:
         """Steps 3-4: this contributor's block of the sum (the parts in rank order), then every block of the mean,

@@ -55,6 +55,7 @@ class LostRanks:
     _lost_at: int
     _left: int
     _read: int
+    _waited: int
     _full_comm: Any
     msgs: Any
     watch: mpi_ulfm.Watch | None
@@ -88,7 +89,7 @@ class LostRanks:
     def comms(self) -> list[Any]:
         """The communicators this object waits on besides `comm` (its duplicates): what a rank that saw a failure
         revokes (`mpi_ulfm.shrink`), so that no survivor stays inside one."""
-        extra = [self._full_comm] + ([] if self.msgs is None else [self.msgs.comm])
+        extra = [self._full_comm] + ([] if self.msgs is None else [self.msgs.comm, self.msgs.deliveries.comm])
         return extra + ([] if self.watch is None else [self.watch.comm])
 
     def host_of(self, rank: int) -> str:
@@ -160,3 +161,29 @@ class LostRanks:
                     raise RankLost(f"{self._who}: partial allreduce: {late} never came to the end ({timeout}s)")
                 start = time.monotonic()
             backoff.wait()
+
+    def _roll_call(self, round_: int) -> str:
+        """After a full round's allreduce timed out here: mark this rank as alive and waiting, give the others up to
+        `timeout` to do the same, and name the ranks that never posted the round or never answered."""
+        self._store(self._waited + self.rank, round_)
+        deadline = time.monotonic() + (self.timeout or 0.0)
+        backoff = Backoff(cap=0.01, check=self._backoff.check)
+        while True:
+            read = self._load_many(self._read, self.size)
+            waited = self._load_many(self._waited, self.size)
+            # Not waiting in round_ and not past it (read[r] is a lower bound): not there, or stopped inside it.
+            silent = [r for r in range(self.size) if waited[r] < round_ and read[r] <= round_]
+            if not silent or time.monotonic() >= deadline:
+                break
+            backoff.wait()
+        cause = (
+            "; waiting on "
+            + ", ".join(f"rank {r} on {self._hosts[r]}" for r in silent)
+            + " (not in the allreduce, or stopped inside it)"
+            if silent
+            else ": every rank is waiting inside it (MPI made no progress, or ranks disagree on the quorum)"
+        )
+        return (
+            f"{self._who}: partial allreduce: round {round_} (all {self.size} ranks: an allreduce) did not complete "
+            f"after timeout={self.timeout}s" + cause
+        )

@@ -20,6 +20,7 @@ import torch
 
 from collsync import keepalive
 from collsync.margin import Margin, check_margin
+from collsync.runtime.mpi_partial_deliver import Deliveries
 from collsync.runtime.mpi_partial_direct import LARGE_MESSAGE, PROTOCOLS, Messages, direct_protocol
 from collsync.runtime.mpi_partial_lost import LostRanks
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
@@ -177,11 +178,12 @@ class PartialWindows(LostRanks, Windows):
         self._stored_read = 0  # the value of read[rank] on the host (full rounds leave it behind: `_publish_read`)
         self._full_rounds = [0] * depth  # per ring entry: the full-quorum rounds that took no ticket
         self._stranded: int | None = None  # the full round whose allreduce timed out (nothing can follow it)
-        self._one = np.ones(1, dtype=np.int64)
         self._words = Words(self.win_ctrl, host)  # the control words' atomics, as the mailbox's
         check = self._watching(comm, watch)  # ULFM's failure detector, checked at every pause (`mpi_partial_lost`)
         self._backoff = Backoff(cap=poll_cap(comm), check=check)
-        self.msgs = Messages(comm, self._mpi_t, Backoff(cap=self._backoff.cap, check=check)) if self.direct else None
+        backoff = Backoff(cap=self._backoff.cap, check=check)
+        deliveries = Deliveries(comm, numel, dtype, size) if self.direct else None
+        self.msgs = Messages(comm, self._mpi_t, backoff, deliveries) if self.direct else None
         self._large = numel * np.dtype(self._np).itemsize > LARGE_MESSAGE
 
     # -- set-up and tear-down --------------------------------------------------------------------------------------

@@ -420,13 +420,17 @@ def test_direct_exchange_gives_the_host_paths_bits_in_a_constant_number_of_round
                     count = len(result.contributors)
                     assert took.ops["Get"] == 0 and took.round_trips - took.waits <= 9, took
                     # The blocks of the sum and of the mean (to the ranks listening too), and the record: the
-                    # closer's to every other rank that drew a ticket before its close, or one received.
-                    assert 2 * (count - 1) <= took.ops["Isend"] <= (count - 1) + 2 * (n - 1), took
+                    # closer's to every other rank that drew a ticket before its close, or one received; the writer
+                    # also delivers the mean to each rank outside the exchange (`mpi_partial_deliver`).
+                    outside = n - count
+                    assert 2 * (count - 1) <= took.ops["Isend"] <= (count - 1) + 2 * (n - 1) + outside, took
                     assert 2 * (count - 1) <= took.ops["Irecv"] <= 2 * (count - 1) + 1, took
                     block = numel // count + 1
                     floats = 2 * 2 * (numel - numel // count + 1) + block * (n - count)  # + blocks to listeners
                     record = 8 * (2 + n) * (n - 1)
-                    assert took.data_bytes <= 4 * floats + record + 4 * numel, took  # + the writer's copy to the ring
+                    delivered = outside * (8 * (3 + n) + 4 * numel)
+                    # + the writer's copy to the ring and its deliveries
+                    assert took.data_bytes <= 4 * floats + record + 4 * numel + delivered, took
     assert all(_same_everywhere(comm, b) for b in seen["direct"] + seen["host"])
 
 
@@ -435,3 +439,36 @@ def test_the_default_protocol_follows_the_placement(comm):
     spans = len(set(comm.allgather(socket.gethostname()))) > 1
     with PartialAllreduce(comm, 16, depth=2) as pa:
         assert pa.direct == (spans and comm.Get_size() <= 40)
+
+
+def test_a_rank_outside_a_direct_round_takes_it_from_its_delivery_without_a_round_trip(comm):
+    """The direct exchange's writer sends each complete round's mean and record to every rank outside its exchange
+    (`mpi_partial_deliver`): a rank that comes after rounds completed without it takes each one with no round trip
+    to the host but the two that complete its tickets and read counter after the backlog, with the same bits."""
+    n, rank, numel, rounds = comm.Get_size(), comm.Get_rank(), 257, 4
+    late = n - 1
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=rounds, protocol="direct") as pa:
+        counts = pa.count(RmaCounts())
+        results = []
+        if rank != late or n == 1:
+            for t in range(rounds):
+                results.append(pa(_contribution(rank, t, numel), quorum=max(1, n - 1), round=t))
+        comm.Barrier()  # the late rank comes once every round is complete
+        if rank == late and n > 1:
+            deliveries, start = pa.msgs.deliveries, time.monotonic()
+            while deliveries.arrived_from(0) < rounds and time.monotonic() - start < 60:  # sent, maybe not yet here
+                time.sleep(0.001)
+            before = counts.copy()
+            results = [pa.try_read(n - 1, t) for t in range(rounds)]
+            took = counts.minus(before)
+            assert all(r is not None for r in results)
+            # The backlog's tickets completed by one Flush, then the read counter written: 2 round trips for all.
+            assert took.round_trips == 2 and took.ops["Get"] == 0, took  # (the Irecvs were counted as they came)
+            before = counts.copy()
+            assert pa.try_read(n - 1, rounds) is None  # nothing more, and nothing left to complete
+            assert counts.minus(before).round_trips == 0
+        for result in results:
+            assert result is not None and torch.equal(result.mean, _expected(result, numel))
+            assert n == 1 or late not in result.contributors
+        digest = zlib.crc32(b"".join(r.mean.numpy().tobytes() for r in results if r is not None))
+        assert _same_everywhere(comm, digest.to_bytes(4, "little"))

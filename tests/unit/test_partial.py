@@ -8,7 +8,7 @@ import torch
 
 from collsync.checks import check_trace
 from collsync.loops import check_policy
-from collsync.margin import Margin
+from collsync.margin import EXPLORE, Margin
 from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rounds import BackupRounds, apply_result, run_partial, tolerated
 from collsync.rules import sgd
@@ -301,3 +301,35 @@ def test_the_partial_protocol_follows_the_placement() -> None:
     assert partial().protocol == "auto" and partial(protocol="host").protocol == "host"
     with pytest.raises(ValueError, match="runtime: protocol='ring' must be auto, direct or host"):
         partial(protocol="ring")
+
+
+def test_margin_closes_at_once_where_waiting_gave_fewer_gradients_a_second():
+    """n / T_all against N / T_now (rounds this rank closed): a round closes at its quorum at once where waiting for
+    everyone gave fewer gradients a second (a worker behind a slow link: in time, but its round's exchange slow),
+    and every EXPLORE-th round takes the other choice, so that both periods follow the run."""
+    margin = Margin()
+    decisions = []
+    for _ in range(4 * EXPLORE):
+        limit = margin.limit(0.06, 3, step=0.05, workers=4)
+        decisions.append(limit == 0.0)
+        # What the round then cost: 90 ms when it waited and took all 4, 45 ms when it closed at once with 3.
+        margin.paced(0.045 if margin.now else 0.09, complete=not margin.now)
+    assert margin.period_all == pytest.approx(0.09) and margin.period_now == pytest.approx(0.045)
+    late = decisions[2 * EXPLORE :]  # both periods known: 4 / 0.09 < 3 / 0.045, so close at once but to explore
+    assert late.count(False) == len(late) // EXPLORE and late.count(True) == len(late) - len(late) // EXPLORE
+    assert not margin.waiting_pays(3, 4)
+    for _ in range(25 * EXPLORE):  # the worker got faster: a round that waits and takes all 4 costs 50 ms now
+        margin.limit(0.06, 3, step=0.05, workers=4)
+        margin.paced(0.045 if margin.now else 0.05, complete=not margin.now)
+    assert margin.waiting_pays(3, 4)  # 4 / 0.05 > 3 / 0.045: it waits again
+    assert margin.limit(0.06, 3, step=0.05) > 0.0  # without `workers` nothing is weighed
+
+
+def test_a_round_closed_at_once_leaves_the_gap_estimate_alone():
+    margin = Margin(period_all=0.09, period_now=0.045)
+    margin.observe(0.001, True, 0.02)
+    estimate = margin.estimate
+    margin.limit(0.06, 3, workers=4)  # waiting does not pay: closed at once
+    assert margin.now
+    margin.observe(0.0, False, 0.0)
+    assert margin.estimate == estimate
