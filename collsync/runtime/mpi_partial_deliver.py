@@ -7,9 +7,10 @@ ticket, the record, the mean, the tag again) and one more for its read counter (
 is the rank's whole round: with one host behind 5 ms each way a late rank read a round in about 100 ms while the
 others ran one in 25, so it fell a ring's depth behind and the gate held every rank for it (benchmarks/README.md,
 "A late host's rounds by message"). A delivery is one message one way, sent as soon as the round is complete and
-received while the rank computes: a rank catching up takes every round that has come with no remote operation;
-its ticket (an `Accumulate` with no answer: the round's record comes with the mean) and its read counter are
-written without waiting and completed together by the next `Flush` to the host (`PartialWindows.flush_deferred`).
+received while the rank computes: a rank catching up takes every round that has come with no round trip; its
+tickets (an `Accumulate` each, with no answer: the round's record comes with the mean) are completed by one
+`Flush` once the backlog is taken, then its read counter written (`DirectRounds._flush_deferred`): two round trips
+for the backlog.
 
 The ring stays the record of every round: a rank whose delivery has not come looks there after a while (its
 writer may have been lost after the ring's copy), and deliveries of rounds it has read another way are dropped.
