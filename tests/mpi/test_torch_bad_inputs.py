@@ -58,7 +58,10 @@ def test_a_mistyped_name_gets_the_close_one():
         hvd.init(sync="asynch")
     with pytest.raises(ValueError, match=r"unknown option backup=1 \(did you mean 'backups'\?\) \(options: "):
         sync_config("backup", backup=1)
-    with pytest.raises(ValueError, match=r"penalty='gap-aware' is not one of .* \(did you mean 'gap_aware'\?\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"penalty='gap-aware' is not one of .* \(did you mean 'gap_aware'( or 'gap_aware_round')?\?\)$",
+    ):
         sync_config("async", penalty="gap-aware")
 
 
