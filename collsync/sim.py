@@ -182,7 +182,7 @@ class Simulator:
             arrival: Arrival = payload
             times = self._times
             if times is not None:
-                times.quorum, times.workers = server.quorum, server.full  # fewer once a worker is lost
+                times.quorum = server.quorum  # fewer once a worker is lost
             if server.accept(arrival) and times is not None and arrival.clock == before and times.arrived(self.now):
                 # The round's quorum-th gradient: its margin from the period and this worker's step (its compute).
                 limit = times.limit(self.now, self.now - self._began[w])
@@ -391,7 +391,7 @@ class Simulator:
         auto = self.margin == "auto"
         server.wait_after_quorum(float("inf") if auto else float(self.margin))
         if auto and self._times is None:
-            self._times = RoundTimes(Margin(), server.quorum, server.workers)
+            self._times = RoundTimes(Margin(), server.quorum)
 
     def _arm_timeout(self, server: Server, limit: float | None = None) -> None:
         fires = server.arm(self.now, limit)

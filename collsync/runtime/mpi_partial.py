@@ -238,7 +238,9 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         if isinstance(margin, (int, float)):
             limit = float(margin)
         else:  # "auto" (None never comes here: it closes at once)
-            limit, auto = self._margin.limit(period, quorum, step, self.size - len(self.lost)), True
+            # Waiting weighed against closing at once only across hosts, where a late rank's exchange crosses its link.
+            workers = self.size - len(self.lost) if self.direct else None
+            limit, auto = self._margin.limit(period, quorum, step, workers), True
             self._closed_round = round_
         start = last = time.monotonic()
         seen, backoff = quorum, self._backoff
