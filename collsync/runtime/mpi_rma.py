@@ -4,7 +4,8 @@ One window, hosted by the server rank (workers expose zero bytes), in 8-byte wor
 
     ctrl    int64[4 + 4 * workers]   [seq, version, done, signal] then per worker [full, version, clock, finished]
     params  float[numel]             the published parameters (from a word boundary)
-    slots   float[workers * numel]   one gradient slot per worker (each from a word boundary)
+    slots   float[workers * numel]   one gradient slot per worker (each from a word boundary; none where pushes
+                                     are messages, below)
 
 One window, so that whatever a worker posts to the server in one go is completed by one `Flush`: one round trip.
 Every access is an RMA call inside one `Lock_all` epoch, completed with `Flush`, and control words are touched only
@@ -12,9 +13,10 @@ by atomics (`collsync.runtime.mpi_windows`), so neither side ever waits for the 
 never read half-written. A worker's round is four round trips when nothing has to be waited for (push 1, pull 3),
 a poll one (`benchmarks/mpi_rounds.py` counts them); MPI orders no two operations of one `Flush` but those on the
 same word, which is what the seqlock's and the flag's extra round trips are for. Under a round policy (`sends`) the
-server sends each worker the parameters it waits for instead, and the flag is a message (`runtime.mpi_sent`): a
-round is the push's one round trip, the pull a local test; the window still holds every publish (the first
-read's fallback, evaluators' `snapshot`, PSP's stale blocks) and the slot word then counts the pushes dealt with.
+server sends each worker the parameters it waits for instead, and the push is one message holding its header and
+gradient (`runtime.mpi_sent`): a round is no round trip at all, the push one way and the delivery back, the pull a
+local test; the window still holds every publish (the first read's fallback, evaluators' `snapshot`, PSP's stale
+blocks) and the slot word then counts the pushes dealt with.
 
 * publish (server): seq <- seq + 1 (odd: writing); Put params; version, done, signal; seq <- seq + 1 (even). The
   signal (`Stamp.signal`, a float64's bits in an int64 word) is whatever scalar the server's optimizer publishes.
@@ -193,12 +195,15 @@ class WindowMailbox(ServedWindow):
             self._saw(int(self._load_header()[0]))
             self.check_alive()
             self._backoff.wait()
-        if arrival.grad is not None:
-            grad = arrival.grad.detach().to(self.dtype).contiguous().numpy()
-            self.win_box.Put([grad, self._mpi_t], self.server, target=self.target(self.worker))
-            self.bytes_pushed += grad.nbytes
-        self._pair[:] = (arrival.version, arrival.clock)  # in one atomic-per-word write
-        self._ctrl.store_many(slot + 1, self._pair, flush=False)
+        grad = None if arrival.grad is None else arrival.grad.detach().to(self.dtype).contiguous().numpy()
+        if self.inbox is not None:
+            self.inbox.push(grad, arrival.version, arrival.clock)  # one message, complete at the server as a whole
+        else:
+            if grad is not None:
+                self.win_box.Put([grad, self._mpi_t], self.server, target=self.target(self.worker))
+            self._pair[:] = (arrival.version, arrival.clock)  # in one atomic-per-word write
+            self._ctrl.store_many(slot + 1, self._pair, flush=False)
+        self.bytes_pushed += 0 if grad is None else grad.nbytes
         self._full[0] = 1 if arrival.grad is not None else 2  # 2 = header only
         self._free = False
         self._posts += 1
@@ -206,12 +211,11 @@ class WindowMailbox(ServedWindow):
     def complete(self, *, read_next: bool = False) -> None:
         """The second half of `send`: one Flush for the gradient and its header (a round trip, and off shared memory
         one that waits for the server to enter MPI), then the flag. With `read_next` (the caller reads right
-        after) the flag is only posted: the read's first poll completes it in its own round trip."""
-        self.win_box.Flush(self.server)
-        # Last: the data and header are complete at the target before the flag says so.
-        if self.inbox is not None:
-            self.inbox.post_flag(int(self._full[0]))  # a message: nothing for the read to complete
-        else:
+        after) the flag is only posted: the read's first poll completes it in its own round trip. A push by
+        message (server-sent parameters) has nothing to complete: no round trip at all."""
+        if self.inbox is None:
+            self.win_box.Flush(self.server)
+            # Last: the data and header are complete at the target before the flag says so.
             self._ctrl.store_many(self._slot(self.worker), self._full, flush=not read_next)
         self._sent = True
 

@@ -69,7 +69,8 @@ class ServedWindow(Windows):
         self._block = -(-numel * item // 8)  # one block of floats in words, rounded up: each starts on a word
         self._params_at = _HDR + _SLOT * self.workers
         self._slots_at = self._params_at + self._block
-        words = self._slots_at + self.workers * self._block
+        # Server-sent parameters: pushes come as messages (`runtime.mpi_sent`), so the window has no slots for them.
+        words = self._slots_at + (0 if sends is not None else self.workers * self._block)
         self.win_box = MPI.Win.Allocate(words * 8 if host else 0, 8, comm=intra)
         self._wins = (self.win_box,)
         if host:
@@ -86,7 +87,7 @@ class ServedWindow(Windows):
         self.inbox: Inbox | None = None
         if self._msgs is not None and sends is not None:
             if host:
-                self.outbox = Outbox(self._msgs, ranks, sends, self._np, self._mpi_t)
+                self.outbox = Outbox(self._msgs, ranks, sends, numel, self._np, self._mpi_t)
             elif rank in ranks:
                 self.inbox = Inbox(self._msgs, server_rank, numel, self._np, self._mpi_t)
         self._posts = 0  # worker: pushes posted (a delivery counting fewer predates the last one)
@@ -164,8 +165,10 @@ class ServedWindow(Windows):
         return [w for w in range(self.workers) if self._load(self._slot(w) + 3) == AWAY]
 
     def _take(self, w: int, defer: bool = False) -> Arrival | None:
+        if self.outbox is not None:
+            return self._take_message(w, defer)
         slot = self._slot(w)
-        full = self.outbox.flag(w) if self.outbox is not None else self._load(slot)
+        full = self._load(slot)
         if full == 0:
             return None
         grad = None
@@ -174,13 +177,30 @@ class ServedWindow(Windows):
             self.win_box.Get([grad.numpy(), self._mpi_t], self.server, target=self.target(w))
         self._ctrl.load_many(slot + 1, self._pair, flush=False)
         self.win_box.Flush(self.server)
-        version, clock = int(self._pair[0]), int(self._pair[1])
-        self._clocks[w] = clock
+        return self._took(Arrival(w, int(self._pair[0]), grad, int(self._pair[1])), defer)
+
+    def _take_message(self, w: int, defer: bool) -> Arrival | None:
+        """`_take` where pushes are messages (server-sent parameters): a local test, no round trip."""
+        assert self.outbox is not None
+        pushed = self.outbox.pushed(w, self._buffer)
+        if pushed is None:
+            return None
+        _, version, clock, grad = pushed
+        return self._took(Arrival(w, version, None if grad is None else torch.from_numpy(grad), clock), defer)
+
+    def _buffer(self) -> np.ndarray:
+        """A received gradient's buffer: a recycled one, else a new one."""
+        grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
+        return grad.numpy()
+
+    def _took(self, arrival: Arrival, defer: bool) -> Arrival:
+        """A push taken: its slot freed now, or at the next publish or recv (`defer`, see `_release`)."""
+        self._clocks[arrival.worker] = arrival.clock
         if defer:
-            self._taken.append(w)
+            self._taken.append(arrival.worker)
         else:
-            self._free_slot(w)
-        return Arrival(w, version, grad, clock)
+            self._free_slot(arrival.worker)
+        return arrival
 
     def _free_slot(self, w: int) -> None:
         """The server dealt with worker w's push: its slot's word says so (0, or with server-sent parameters the

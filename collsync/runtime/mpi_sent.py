@@ -12,9 +12,15 @@ Messages, not one-sided `Put`s into a window the worker exposes: across hosts a 
 once its target enters MPI, so a server putting to a worker that computes, is stopped or died would wait for it;
 an `Isend` never blocks the server, and a message is received whole or not at all (no torn copy). At most one
 delivery is in flight per worker (a newer one waits for it, and the newest is sent then), so a lost worker holds
-one send and one parameter buffer, never the server. The push's flag goes the same way, as a message of one word
-sent after the push's `Flush` returned (the gradient and its header are complete at the server before the server
-can see it): the push stays one round trip and nothing is left for the pull to complete.
+one send and one parameter buffer, never the server.
+
+The push goes the same way: one message holding its header (flag, version, clock) and the gradient, into a receive
+the server keeps posted for each worker (a worker pushes again only once the server dealt with its last push, so
+one is enough). A `Put` of the gradient needed a `Flush` (a round trip, waiting for the server to enter MPI) before
+the flag could follow it, and the worker waited for that round trip before computing on: across a slow link a
+round was two round trips (the push's, then the flag and the delivery). A message needs no completion before the
+worker moves on, and its header and data arrive together, so the server never sees one without the other: a
+round is the push one way and the delivery back, and the worker computes meanwhile.
 
 Async and B-FASGD stay on the windows: each update would be a delivery to every worker (n times the traffic), and
 SpecSync re-syncs with reads no push precedes.
@@ -36,7 +42,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 _HDR = 4  # version, done, signal (float64 bits), pushes dealt with
-_DATA, _STAMP, _FLAG = 0, 1, 2  # tags: parameters, their stamp, a push's flag
+_DATA, _STAMP, _PUSH = 0, 1, 3  # tags: parameters, their stamp, a push (header and gradient)
+_PUSH_HDR = 3  # a push's header: flag (1: a gradient follows, 2: the header only), version, clock
 # How long after a delivery went out the server, and after its stamp came the worker, yield the core between tests
 # rather than sleep: a large message moves only while both sides call into MPI (over TCP, and through shared memory
 # without a single-copy transfer), and the pollers' pauses are up to 1 ms. Not while a worker waits for the
@@ -54,11 +61,24 @@ def as_float(bits: int) -> float:
     return float(np.array([bits], dtype=np.int64).view(np.float64)[0])
 
 
+def push_buffer(numel: int, np_t: Any) -> np.ndarray:
+    """A push's message: its header's int64 words, then the gradient's bytes (rounded up to a word)."""
+    return np.zeros(_PUSH_HDR + -(-numel * np.dtype(np_t).itemsize // 8), dtype=np.int64)
+
+
+def gradient_of(message: np.ndarray, numel: int, np_t: Any) -> np.ndarray:
+    """The gradient's part of a push's message, as its own dtype (a view)."""
+    view: np.ndarray = message[_PUSH_HDR:].view(np_t)[:numel]
+    return view
+
+
 class Outbox:
     """The server's side: what it owes each worker and the deliveries in flight (`comm`: the mailbox's duplicate,
     so these messages never meet another protocol's; `ranks[w]`: worker w's rank in it)."""
 
-    def __init__(self, comm: MPI.Comm, ranks: list[int], need: Callable[[int], int], np_t: Any, mpi_t: Any) -> None:
+    def __init__(
+        self, comm: MPI.Comm, ranks: list[int], need: Callable[[int], int], numel: int, np_t: Any, mpi_t: Any
+    ) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
         self.MPI, self.comm, self.ranks, self.need, self.np_t, self.mpi_t = MPI, comm, ranks, need, np_t, mpi_t
@@ -71,8 +91,11 @@ class Outbox:
         self.buffers: list[np.ndarray] = []
         self.current = -1  # the buffer of the last publish
         self.stamp = Stamp(-1, False)
-        self.flags = [np.zeros(1, dtype=np.int64) for _ in range(n)]
-        self.flag_reqs = [self._post_flag(w) for w in range(n)]
+        self.numel = numel
+        self.lost: set[int] = set()
+        # One push in flight per worker (it pushes again once this one was dealt with): one receive each, posted.
+        self.pushes = [push_buffer(numel, np_t) for _ in range(n)]
+        self.push_reqs = [self._post_push(w) for w in range(n)]
         self.sent = 0
         self.sent_at = 0.0  # when the last delivery went out
 
@@ -80,17 +103,22 @@ class Outbox:
         """A delivery is in flight and went out within `HURRY_S`: yield between polls, not sleep."""
         return bool(self.flying) and time.monotonic() - self.sent_at < HURRY_S
 
-    def _post_flag(self, w: int) -> Any:
-        return self.comm.Irecv([self.flags[w], self.MPI.INT64_T], self.ranks[w], _FLAG)
+    def _post_push(self, w: int) -> Any:
+        return self.comm.Irecv([self.pushes[w], self.MPI.BYTE], self.ranks[w], _PUSH)
 
-    def flag(self, w: int) -> int:
-        """Worker w's next push: 0 while none came, else its flag (1: a gradient, 2: a header only); the receive
-        for the one after is posted at once (a worker posts its next push only once this one was dealt with)."""
-        if not self.flag_reqs[w].Test():
-            return 0
-        value = int(self.flags[w][0])
-        self.flag_reqs[w] = self._post_flag(w)
-        return value
+    def pushed(self, w: int, out: Callable[[], np.ndarray]) -> tuple[int, int, int, np.ndarray | None] | None:
+        """Worker w's next push, if it came (a local test): its flag (1: a gradient, 2: a header only), version and
+        clock, and its gradient copied into `out()`; the receive for the one after is posted at once."""
+        if not self.push_reqs[w].Test():
+            return None
+        message = self.pushes[w]
+        flag, version, clock = (int(x) for x in message[:_PUSH_HDR])
+        grad = None
+        if flag == 1:
+            grad = out()
+            grad[:] = gradient_of(message, self.numel, grad.dtype)
+        self.push_reqs[w] = self._post_push(w)
+        return flag, version, clock, grad
 
     def publish(self, params: np.ndarray, stamp: Stamp) -> None:
         """A new version: into a buffer no delivery in flight reads (one copy a publish), then sent where owed."""
@@ -115,6 +143,7 @@ class Outbox:
         """A lost worker is owed nothing more (a delivery in flight to it stays so, holding one buffer)."""
         self.owed.pop(w, None)
         self.live.discard(w)
+        self.lost.add(w)
 
     def pump(self) -> None:
         """Retire the deliveries that completed, and send what is owed in their place."""
@@ -149,14 +178,16 @@ class Outbox:
                 self.live.discard(w)
 
     def free(self) -> None:
-        """At the end: the flags' receives cancelled; deliveries no worker took are left to the exit."""
-        for req in self.flag_reqs:
+        """At the end: the pushes' receives cancelled; deliveries no worker took are left to the exit, and so is a
+        receive a lost worker's push had begun to fill (it may never complete)."""
+        for w, req in enumerate(self.push_reqs):
             req.Cancel()
-            req.Wait()
+            if w not in self.lost:
+                req.Wait()
 
 
 class Inbox:
-    """A worker's side: the delivery receive posted towards server rank `server`, and the push's flag message."""
+    """A worker's side: the delivery receive posted towards server rank `server`, and the push's message."""
 
     def __init__(self, comm: MPI.Comm, server: int, numel: int, np_t: Any, mpi_t: Any) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
@@ -164,8 +195,9 @@ class Inbox:
         self.MPI, self.comm, self.server, self.mpi_t = MPI, comm, server, mpi_t
         self.head = np.zeros(_HDR, dtype=np.int64)
         self.data = np.empty(numel, dtype=np_t)
-        self.flag = np.zeros(1, dtype=np.int64)
-        self.flag_req: Any = None
+        self.numel = numel
+        self.push_buf = push_buffer(numel, np_t)  # the gradient is copied in: the caller's buffer is free at once
+        self.push_req: Any = None
         self.counts: RmaCounts | None = None
         self.reqs = self._post()
 
@@ -201,17 +233,23 @@ class Inbox:
             self.counts.tests += 1
         return None
 
-    def post_flag(self, value: int) -> None:
-        """The push's flag, once its gradient and header are complete at the server (after their `Flush`)."""
-        if self.flag_req is not None:
-            self.flag_req.Wait()  # the last one's buffer is free (long since: the server took that push)
-        self.flag[0] = value
-        self.flag_req = self.comm.Isend([self.flag, self.MPI.INT64_T], self.server, _FLAG)
+    def push(self, grad: np.ndarray | None, version: int, clock: int) -> None:
+        """The push, one message: header (flag, version, clock) and the gradient (None: the header only). The
+        worker computes on at once; the server has it whole or not at all."""
+        if self.push_req is not None:
+            self.push_req.Wait()  # the last push's buffer is free (long since: the server dealt with that push)
+        message = self.push_buf
+        message[:_PUSH_HDR] = (1 if grad is not None else 2, version, clock)
+        if grad is not None:
+            gradient_of(message, self.numel, grad.dtype)[:] = grad
+        body = message if grad is not None else message[:_PUSH_HDR]
+        self.push_req = self.comm.Isend([body, self.MPI.BYTE], self.server, _PUSH)
         if self.counts is not None:
             self.counts.ops["Isend"] += 1
 
     def free(self) -> None:
-        """At the end: the posted receive cancelled (the server sends nothing after `done`)."""
+        """At the end: the posted receive cancelled (the server sends nothing after `done`). The last push is left
+        to the exit, as a delivery nobody took is: a server that stopped waiting for it never matches it."""
         for req in self.reqs:
             req.Cancel()
             req.Wait()
