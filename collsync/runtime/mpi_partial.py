@@ -111,21 +111,8 @@ import torch
 from collsync.runtime import PartialResult
 from collsync.runtime.mpi_coll import wait
 from collsync.runtime.mpi_partial_direct import DirectRounds
-from collsync.runtime.mpi_partial_windows import (
-    OVERWRITTEN,
-    READY,
-    STAMP,
-    SUMMING,
-    PartialWindows,
-    _posted_for,
-    block,
-    check_call,
-    check_out,
-    split,
-    stamp,
-    tag_state,
-    writing_tag,
-)
+from collsync.runtime.mpi_partial_tags import OVERWRITTEN, READY, STAMP, SUMMING, stamp, tag_state, writing_tag
+from collsync.runtime.mpi_partial_windows import PartialWindows, _posted_for, block, check_call, check_out, split
 from collsync.runtime.mpi_world import RankLost
 from collsync.types import Flat
 

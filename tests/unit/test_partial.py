@@ -13,23 +13,25 @@ from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rounds import BackupRounds, apply_result, run_partial, tolerated
 from collsync.rules import sgd
 from collsync.runtime.mpi_partial import PartialResult
-from collsync.runtime.mpi_partial_windows import (
-    CLOSED,
+from collsync.runtime.mpi_partial_tags import (
     OVERWRITTEN,
     PENDING,
     READY,
     SUMMING,
+    stamp,
+    tag_state,
+    unstamp,
+    writing_tag,
+)
+from collsync.runtime.mpi_partial_windows import (
+    CLOSED,
     _posted_for,
     block,
     check_call,
     check_margin,
     lagging,
     split,
-    stamp,
-    tag_state,
     ticket_state,
-    unstamp,
-    writing_tag,
 )
 from collsync.server import Server
 from collsync.trace import Trace
