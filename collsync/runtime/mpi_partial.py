@@ -188,6 +188,15 @@ class PartialAllreduce(DirectRounds, PartialWindows):
             )
         return self._collect(quorum, round, None)
 
+    def stop_reading(self) -> None:
+        """The caller reads no further round for now (`runtime.Partial.stop_reading`): the direct exchange's reads
+        from deliveries leave their tickets and read counter to the next read while a backlog lasts (one Flush for
+        all of it, `_flush_deferred`); a caller that stops inside the backlog (its room, an epoch's end) completes
+        them here, or a rank stopped before its next call (SIGSTOP) would leave the gate and the lost-rank rules a
+        read counter behind its rounds. No round trip when nothing is left (the host-summed path: never)."""
+        if self.direct:
+            self._flush_deferred(final=True)
+
     def _post(self, data: Flat, round_: int) -> None:
         """Step 3: data into this rank's slot, Flush, and only then the flag that says which round it belongs to."""
         target = (self.rank * self.numel, self.numel, self._mpi_t)
