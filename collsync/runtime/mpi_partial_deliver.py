@@ -18,7 +18,7 @@ The ring stays the record of every round: a rank whose delivery has not come loo
 writer may have been lost after the ring's copy), and deliveries of rounds it has read another way are dropped.
 A delivery is `[round, quorum, count, ranks[n]]` as int64 words, then the mean's bytes: one message, matched by
 `Improbe` from any source (a receive posted from any source is not matched across hosts under MPICH's UCX module;
-a probe is, `mpi_partial_direct.Messages.receive_any`) and received by `Imrecv` into a buffer of its own.
+a probe is, `mpi_partial_messages.Messages.receive_any`) and received by `Imrecv` into a buffer of its own.
 """
 
 from __future__ import annotations
