@@ -47,7 +47,8 @@ def tolerated(policy: SyncPolicy, workers: int) -> int:
 
 class BackupRounds:
     """Round t of `pa` for this rank, then the next: `take(grads)` reads round t if it is complete already, else
-    contributes `grads()`; after a late round `catch_up(room, apply)` applies the rounds completed meanwhile.
+    contributes `grads()`; after a late round `catch_up(room, apply)` applies the rounds completed meanwhile, and
+    ends with `pause()` (which a caller that does not catch up calls itself before it computes).
     Counts: `dropped` (rounds this rank's gradient was not part of), `caught_up` (rounds applied without computing).
     A `ledger` is settled with every round's contributors, taken or caught up."""
 
@@ -80,19 +81,30 @@ class BackupRounds:
     ) -> int:
         """After a late round: read every further round already complete, at most `room` of them and none once
         `stop()` (an epoch's end), and `apply` each in order; the rounds caught up (the caller skips that much work,
-        unless its ledger hands out the batches). Nothing unless the last round was late."""
+        unless its ledger hands out the batches). Nothing unless the last round was late; either way it ends with
+        `pause`, so a stop on `room` or `stop()` leaves no read half done."""
         caught = 0
-        if not (self.late and self.catch_up_on):
-            return caught
-        while caught < room and not (stop is not None and stop()):
-            result = self.pa.try_read(self.quorum, self.round)
-            if result is None:
-                break
-            apply(result)
-            self._settle(result)
-            caught += 1
+        if self.late and self.catch_up_on:
+            while caught < room and not (stop is not None and stop()):
+                result = self.pa.try_read(self.quorum, self.round)
+                if result is None:
+                    break
+                apply(result)
+                self._settle(result)
+                caught += 1
         self.caught_up += caught
+        self.pause()
         return caught
+
+    def pause(self) -> None:
+        """This rank reads no further round for now (it computes, or its epoch ended; `catch_up` ends so): after a
+        late round, the transport completes what its reads left to the next one (`Partial.stop_reading`). A read
+        taken without a round trip (a delivery) leaves its ticket and read counter to the next read, so a catch-up
+        that stops on its room or an epoch's end, and then a SIGSTOP, would leave the others' accounting of this
+        rank behind. Costs nothing where nothing is left (a round this rank contributed to, or a backlog that ran
+        out: its last read completed them)."""
+        if self.late:
+            self.pa.stop_reading()
 
 
 def run_partial(

@@ -83,6 +83,9 @@ class Kept:
         result = self.pa.try_read(quorum, round)
         return None if result is None else self._keep(result)
 
+    def stop_reading(self) -> None:
+        self.pa.stop_reading()
+
     def _keep(self, result: PartialResult) -> PartialResult:
         self.results.append(result._replace(mean=result.mean.clone(), round=result.round + self.base))
         return result

@@ -107,3 +107,9 @@ class Partial(Protocol):
     def __call__(self, tensor: Flat, quorum: int, round: int) -> PartialResult: ...
 
     def try_read(self, quorum: int, round: int) -> PartialResult | None: ...
+
+    def stop_reading(self) -> None:
+        """The caller reads no further round for now (it computes, or its epoch ended): complete what its reads
+        left to the next one (`PartialAllreduce.try_read`'s deferred tickets and read counter), so that a rank
+        stopped from here on leaves the others' accounting of it whole."""
+        ...

@@ -111,21 +111,8 @@ import torch
 from collsync.runtime import PartialResult
 from collsync.runtime.mpi_coll import wait
 from collsync.runtime.mpi_partial_direct import DirectRounds
-from collsync.runtime.mpi_partial_windows import (
-    OVERWRITTEN,
-    READY,
-    STAMP,
-    SUMMING,
-    PartialWindows,
-    _posted_for,
-    block,
-    check_call,
-    check_out,
-    split,
-    stamp,
-    tag_state,
-    writing_tag,
-)
+from collsync.runtime.mpi_partial_tags import OVERWRITTEN, READY, STAMP, SUMMING, stamp, tag_state, writing_tag
+from collsync.runtime.mpi_partial_windows import PartialWindows, _posted_for, block, check_call, check_out, split
 from collsync.runtime.mpi_world import RankLost
 from collsync.types import Flat
 
@@ -200,6 +187,15 @@ class PartialAllreduce(DirectRounds, PartialWindows):
                 f"{quorum=}: ranks disagree on the quorum of round {round}"
             )
         return self._collect(quorum, round, None)
+
+    def stop_reading(self) -> None:
+        """The caller reads no further round for now (`runtime.Partial.stop_reading`): the direct exchange's reads
+        from deliveries leave their tickets and read counter to the next read while a backlog lasts (one Flush for
+        all of it, `_flush_deferred`); a caller that stops inside the backlog (its room, an epoch's end) completes
+        them here, or a rank stopped before its next call (SIGSTOP) would leave the gate and the lost-rank rules a
+        read counter behind its rounds. No round trip when nothing is left (the host-summed path: never)."""
+        if self.direct:
+            self._flush_deferred(final=True)
 
     def _post(self, data: Flat, round_: int) -> None:
         """Step 3: data into this rank's slot, Flush, and only then the flag that says which round it belongs to."""

@@ -10,13 +10,15 @@ others ran one in 25, so it fell a ring's depth behind and the gate held every r
 received while the rank computes: a rank catching up takes every round that has come with no round trip; its
 tickets (an `Accumulate` each, with no answer: the round's record comes with the mean) are completed by one
 `Flush` once the backlog is taken, then its read counter written (`DirectRounds._flush_deferred`): two round trips
-for the backlog.
+for the backlog. A caller that stops reading inside the backlog (a catch-up's room, an epoch's end) completes them
+there (`PartialAllreduce.stop_reading`, which `rounds.BackupRounds.pause` calls), not at its next call: a rank
+stopped in between would leave the ring's accounting of it behind.
 
 The ring stays the record of every round: a rank whose delivery has not come looks there after a while (its
 writer may have been lost after the ring's copy), and deliveries of rounds it has read another way are dropped.
 A delivery is `[round, quorum, count, ranks[n]]` as int64 words, then the mean's bytes: one message, matched by
 `Improbe` from any source (a receive posted from any source is not matched across hosts under MPICH's UCX module;
-a probe is, `mpi_partial_direct.Messages.receive_any`) and received by `Imrecv` into a buffer of its own.
+a probe is, `mpi_partial_messages.Messages.receive_any`) and received by `Imrecv` into a buffer of its own.
 """
 
 from __future__ import annotations

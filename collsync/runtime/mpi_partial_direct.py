@@ -28,30 +28,26 @@ Round trips to the host per contributor: the ticket and read[r] (the closer adds
 Put and the tag); three message phases between contributors, each one latency. Membership, the margin, the drop
 counting and the lost-rank rules are the host-summed path's (the same ticket word, closed by one atomic; a rank
 lost between rounds has its bit drawn for it). A contributor stopped inside a round holds the others' exchange:
-they fail after `timeout` naming it, as the host-summed path does when its block of the sum is missing. The ticket
-word holds one bit per rank, so up to `DIRECT_MAX_RANKS` ranks use this path and larger worlds the host-summed
-one (a run of 2 ** (62 - n) rounds per ring entry fits the word).
+they fail after `timeout` naming it (and whether a block from it or one to it is pending), as the host-summed path
+does when its block of the sum is missing. The ticket word holds one bit per rank, so up to `DIRECT_MAX_RANKS`
+ranks use this path and larger worlds the host-summed one (a run of 2 ** (62 - n) rounds per ring entry fits the
+word). The messages themselves (tags, posts, the waits) are `mpi_partial_messages.Messages`.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from collsync import keepalive
 from collsync.runtime import PartialResult
-from collsync.runtime.mpi_partial_deliver import Deliveries
-from collsync.runtime.mpi_windows import Backoff, RmaCounts, Words
-from collsync.runtime.mpi_world import RankLost
+from collsync.runtime.mpi_partial_messages import MEAN, RECORD, SUM, Messages, Pending
+from collsync.runtime.mpi_partial_tags import READY, TagState
+from collsync.runtime.mpi_windows import Words
 from collsync.types import Flat
-
-if TYPE_CHECKING:
-    from mpi4py import MPI
 
 DIRECT_MAX_RANKS = 40
 PROTOCOLS = ("auto", "direct", "host")
@@ -68,17 +64,6 @@ def direct_protocol(protocol: str, hosts: Sequence[str]) -> bool:
     return direct and len(hosts) <= DIRECT_MAX_RANKS
 
 
-_PHASES = 3  # message tags per round: the record, the blocks of the sum, the blocks of the mean
-_RECORD, _SUM, _MEAN = range(_PHASES)
-_YIELD_S = 0.05  # how long a data phase yields between tests before it sleeps (`Messages.wait`)
-# A vector above this many bytes moves in rendezvous, only while both sides call into MPI: its phases yield between
-# tests. Small ones travel eagerly and their phases sleep as every other wait does (ranks share cores: a yielding
-# rank still takes turns from the one it waits for, and the auto margin's tests measured it).
-LARGE_MESSAGE = 1 << 16
-
-# Requests abandoned by a timeout with their buffers: MPI may still complete them (a late peer), writing the buffer.
-# (mpi4py's requests hold their buffers.)
-_STRANDED: list[list[Any]] = []
 _RING_AFTER_S = 0.5  # how long a rank waits for a delivery before it also looks at the ring (`_await_delivered`)
 
 
@@ -88,111 +73,6 @@ def writer_of(ranks: Sequence[int], host: int, hosts: Sequence[str]) -> int:
     if host in ranks:
         return host
     return next((r for r in ranks if hosts[r] == hosts[host]), ranks[0])
-
-
-class Messages:
-    """The direct exchange's point-to-point messages, on a duplicate of the ranks' communicator (never matched
-    with the caller's). Counted into `counts` where a benchmark asks (`Windows.count` calls `count_into`): each
-    message an operation (`Isend`, `Irecv`) and its bytes, each wait for a phase that has messages one blocking
-    round trip, each pause in it one local test (`RmaCounts.tests`, not a round trip)."""
-
-    def __init__(self, comm: MPI.Comm, mpi_t: Any, backoff: Backoff, deliveries: Deliveries | None = None) -> None:
-        from mpi4py import MPI  # lazily: collsync imports without an MPI library
-
-        self.MPI, self.comm, self.mpi_t, self.backoff = MPI, comm.Dup(), mpi_t, backoff
-        tag_ub = self.comm.Get_attr(MPI.TAG_UB)
-        self.rounds = max(1, int(tag_ub if tag_ub is not None else 32767) // _PHASES)
-        self.counts: RmaCounts | None = None
-        self.deliveries = deliveries  # the means sent to the ranks outside an exchange
-
-    def count_into(self, counts: RmaCounts) -> None:
-        self.counts = counts
-        if self.deliveries is not None:
-            self.deliveries.count_into(counts)
-
-    def tag(self, round_: int, phase: int) -> int:
-        """Rounds more than `rounds` apart never meet: the gate keeps ranks within the ring's depth."""
-        return (round_ % self.rounds) * _PHASES + phase
-
-    def post(self, sends: Sequence[tuple[np.ndarray, int]], recvs: Sequence[tuple[np.ndarray, int]], tag: int) -> Any:
-        """Post every receive, then every send (`(buffer, peer)` each: never `MPI.ANY_SOURCE`, see `receive_any`)
-        with `tag`: the requests, receives first."""
-        kind = self.mpi_t if all(b.dtype != np.int64 for b, _ in (*sends, *recvs)) else self.MPI.INT64_T
-        reqs = [self.comm.Irecv([b, kind], peer, tag) for b, peer in recvs]
-        reqs += [self.comm.Isend([b, kind], peer, tag) for b, peer in sends]
-        if self.counts is not None:
-            self.counts.ops["Irecv"] += len(recvs)
-            self.counts.ops["Isend"] += len(sends)
-            self.counts.data_bytes += sum(int(b.nbytes) for b, _ in (*sends, *recvs))
-        return reqs
-
-    def wait(
-        self,
-        reqs: list[Any],
-        timeout: float | None,
-        late: Callable[[list[int]], str],
-        peers: list[int],
-        spin: bool = False,
-    ) -> None:
-        """Wait for `reqs` (`peers[i]` the peer of the i-th), testing them between the pauses of `backoff` (not MPI's
-        blocking wait, which spins: the record may wait out a whole margin, and ranks share cores); with `spin`
-        (a large vector's phases, which every peer is inside MPI for: over TCP a large message moves only while
-        both sides call into MPI, and a pause of 1 ms stalls it) yielding the core between tests for the first
-        `_YIELD_S`, as `mpi_coll.wait` does. After `timeout` s, `RankLost` with `late(the peers whose receive did
-        not complete)`."""
-        if not reqs:
-            return
-        if self.counts is not None:
-            self.counts.round_trips += 1
-        backoff, start = self.backoff, time.monotonic()
-        backoff.reset()
-        while not self._testall(reqs):
-            limit = keepalive.patience(timeout)  # shorter once the launcher said that a rank died
-            if limit is not None and time.monotonic() - start >= limit:
-                missing = [p for req, p in zip(reqs, peers, strict=False) if not req.Test()]
-                _STRANDED.append(reqs)
-                raise RankLost(late(sorted(set(missing))) + f" after timeout={limit}s")
-            if self.counts is not None:
-                self.counts.tests += 1
-            if spin and time.monotonic() - start < _YIELD_S:
-                os.sched_yield()
-            else:
-                backoff.wait()
-
-    def _testall(self, reqs: list[Any]) -> bool:
-        try:
-            return bool(self.MPI.Request.Testall(reqs))
-        except self.MPI.Exception:
-            # MPI_ERR_IN_STATUS: a request failed. Under ULFM a dead peer's: the failure detector reports it as the
-            # process failure it is (`mpi_ulfm.Watch.check` raises), so that the caller shrinks the world.
-            if self.backoff.check is not None:
-                self.backoff.check()
-            raise
-
-    def receive_any(self, buf: np.ndarray, tag: int, timeout: float | None, late: Callable[[], str]) -> None:
-        """Receive `buf` (int64) with `tag` from whichever rank sends it: probed for, then received from the rank
-        found (a receive posted from any source was never matched across hosts under MPICH's UCX network module,
-        a probe is); after `timeout` s, `RankLost` with `late()`."""
-        status, backoff, start = self.MPI.Status(), self.backoff, time.monotonic()
-        backoff.reset()
-        while not self.comm.Iprobe(self.MPI.ANY_SOURCE, tag, status):
-            limit = keepalive.patience(timeout)  # shorter once the launcher said that a rank died
-            if limit is not None and time.monotonic() - start >= limit:
-                raise RankLost(late() + f" after timeout={limit}s")
-            if self.counts is not None:
-                self.counts.tests += 1
-            backoff.wait()
-        self.comm.Recv([buf, self.MPI.INT64_T], status.Get_source(), tag)
-        if self.counts is not None:
-            self.counts.ops["Irecv"] += 1
-            self.counts.data_bytes += int(buf.nbytes)
-            self.counts.round_trips += 1
-
-    def free(self) -> None:
-        if self.deliveries is not None:
-            self.deliveries.free()
-        if self.comm != self.MPI.COMM_NULL:
-            self.comm.Free()
 
 
 class DirectRounds:
@@ -230,7 +110,7 @@ class DirectRounds:
         def _arrived(self, round_: int) -> int: ...
         def _late(self, round_: int) -> str: ...
         def _entry_at(self, round_: int) -> int: ...
-        def _entry_state(self, round_: int) -> tuple[str, np.ndarray | None]: ...
+        def _entry_state(self, round_: int) -> tuple[TagState, np.ndarray | None]: ...
         def _bit(self, rank: int) -> int: ...
         def _collect(self, quorum: int, round_: int, own: Flat | None, out: Flat | None = None) -> PartialResult: ...
         def _finish(
@@ -263,10 +143,10 @@ class DirectRounds:
             listeners = [r for r in range(n) if (drawn & ~members) >> r & 1]
             record[0], record[1], record[2 : 2 + len(ranks) + len(listeners)] = quorum, len(ranks), ranks + listeners
             others = [r for r in ranks + listeners if r != self.rank]
-            reqs = msgs.post([(record, r) for r in others], [], msgs.tag(round_, _RECORD))
-            msgs.wait(reqs, self.timeout, lambda late: self._unsent(round_, late), [])
+            posted = msgs.post([(record, r) for r in others], [], msgs.tag(round_, RECORD))
+            msgs.wait(posted, self.timeout, lambda pending: self._unsent(round_, pending))
         else:
-            msgs.receive_any(record, msgs.tag(round_, _RECORD), self.timeout, lambda: self._unclosed(round_, quorum))
+            msgs.receive_any(record, msgs.tag(round_, RECORD), self.timeout, lambda: self._unclosed(round_, quorum))
         count = int(record[1])
         ranks, listeners = [int(r) for r in record[2 : 2 + count]], [int(r) for r in record[2 + count :] if r >= 0]
         if (self.rank in ranks) != (data is not None):
@@ -308,23 +188,20 @@ class DirectRounds:
         ring every `_RING_AFTER_S` (a writer lost after the ring's copy sends nothing); `timeout` as any wait."""
         assert self.msgs is not None and self.msgs.deliveries is not None
         msgs, deliveries = self.msgs, self.msgs.deliveries
-        backoff, start = msgs.backoff, time.monotonic()
-        looked = start
-        backoff.reset()
-        while (got := deliveries.take(round_)) is None:
-            now = time.monotonic()
-            if now - looked >= _RING_AFTER_S:
-                looked = now
-                if self._entry_state(round_)[0] == "ready":
+        looked = time.monotonic()
+
+        def probe() -> PartialResult | None:  # the round, whichever way it came first
+            nonlocal looked
+            if (got := deliveries.take(round_)) is not None:
+                record, mean = got
+                return self._finish(quorum, round_, record, mean if out is None else out.copy_(mean))
+            if time.monotonic() - looked >= _RING_AFTER_S:
+                looked = time.monotonic()
+                if self._entry_state(round_)[0] == READY:
                     return self._collect(quorum, round_, None, out)
-            limit = keepalive.patience(self.timeout)  # shorter once the launcher said that a rank died
-            if limit is not None and now - start >= limit:
-                raise RankLost(self._unclosed(round_, quorum) + f" after timeout={limit}s")
-            if msgs.counts is not None:
-                msgs.counts.tests += 1  # a local test, not a round trip
-            backoff.wait()
-        record, mean = got
-        return self._finish(quorum, round_, record, mean if out is None else out.copy_(mean))
+            return None
+
+        return msgs.until(probe, self.timeout, lambda: self._unclosed(round_, quorum))
 
     def _flush_deferred(self, final: bool = False) -> None:
         """Complete the tickets drawn with no answer, then write read[rank] (after them: MPI orders accumulates to
@@ -348,10 +225,11 @@ class DirectRounds:
         cuts = [(i * self.numel // count, (i + 1) * self.numel // count) for i in range(count)]
         dst = mean.numpy()
         peers = [(i, r) for i, r in enumerate(ranks) if r != self.rank]
-        late = lambda missing: self._unsummed_by(round_, missing)  # noqa: E731
+        late_sum = lambda pending: self._unsummed_by(round_, pending, "sum")  # noqa: E731
+        late_mean = lambda pending: self._unsummed_by(round_, pending, "mean")  # noqa: E731
         if own is None:  # a listener: every block of the mean from its contributor
             recvs = [(dst[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
-            msgs.wait(msgs.post([], recvs, msgs.tag(round_, _MEAN)), self.timeout, late, ranks, spin=self._large)
+            msgs.wait(msgs.post([], recvs, msgs.tag(round_, MEAN)), self.timeout, late_mean, spin=self._large)
             return
         me = ranks.index(self.rank)
         lo, hi = cuts[me]
@@ -362,7 +240,7 @@ class DirectRounds:
         src = own.numpy()
         sends = [(src[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
         recvs = [(parts[i].numpy(), r) for i, r in peers] if width else []
-        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, _SUM)), self.timeout, late, ranks, spin=self._large)
+        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, SUM)), self.timeout, late_sum, spin=self._large)
         if width:
             parts[me].copy_(own[lo:hi])
             total = parts[0]  # the host-summed path's additions, in the same order (`mpi_partial._sum_block`)
@@ -371,7 +249,7 @@ class DirectRounds:
             mean[lo:hi].copy_(total.div_(count))
         sends = [(dst[lo:hi], r) for r in [*ranks, *listeners] if r != self.rank] if width else []
         recvs = [(dst[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
-        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, _MEAN)), self.timeout, late, ranks, spin=self._large)
+        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, MEAN)), self.timeout, late_mean, spin=self._large)
 
     def _write_ring(self, mean: Flat, record: np.ndarray, round_: int) -> None:
         """Step 5: the mean into the host's ring (flushed), then tag 'ready' and the record in one write."""
@@ -388,13 +266,18 @@ class DirectRounds:
             f"arrived, {quorum=}" + self._late(round_)
         )
 
-    def _unsent(self, round_: int, late: list[int]) -> str:
-        named = ", ".join(f"rank {r} on {self._hosts[r]}" for r in late)
+    def _unsent(self, round_: int, pending: list[Pending]) -> str:
+        named = ", ".join(f"rank {m.peer} on {self._hosts[m.peer]}" for m in pending)
         return f"{self._who}: partial allreduce: round {round_}'s record was not taken by {named or 'its contributors'}"
 
-    def _unsummed_by(self, round_: int, late: list[int]) -> str:
-        named = ", ".join(f"rank {r} on {self._hosts[r]}" for r in late)
+    def _unsummed_by(self, round_: int, pending: list[Pending], phase: str) -> str:
+        """A data phase timed out: name each peer whose message is still pending, and which way (a block not
+        received from it, or one of this rank's not taken by it)."""
+        ways: dict[int, list[str]] = {}
+        for m in pending:
+            way = f"this rank's block of the {phase} not taken" if m.send else f"its block of the {phase} not received"
+            ways.setdefault(m.peer, []).append(way)
+        named = "; ".join(f"rank {r} on {self._hosts[r]} ({', '.join(w)})" for r, w in ways.items())
         return (
-            f"{self._who}: partial allreduce: round {round_} is being summed: waiting on "
-            f"{named or 'its contributors'} (its block of the sum)"
+            f"{self._who}: partial allreduce: round {round_} is being summed: waiting on {named or 'its contributors'}"
         )

@@ -1,7 +1,7 @@
 """The windows and control words of the k-of-n partial allreduce (`mpi_partial`, whose docstring gives the
-protocol): their layout and encodings (pure helpers, no MPI), the atomics that read and write control words, the
-waits with their timeout messages, and the gate that frees a ring entry. `mpi_partial.PartialAllreduce` runs the
-rounds over them."""
+protocol): their layout and encodings (pure helpers, no MPI; the tag and record stamps in `mpi_partial_tags`), the
+atomics that read and write control words, the waits with their timeout messages, and the gate that frees a ring
+entry. `mpi_partial.PartialAllreduce` runs the rounds over them."""
 
 from __future__ import annotations
 
@@ -21,61 +21,24 @@ import torch
 from collsync import keepalive
 from collsync.margin import Margin, check_margin
 from collsync.runtime.mpi_partial_deliver import Deliveries
-from collsync.runtime.mpi_partial_direct import LARGE_MESSAGE, PROTOCOLS, Messages, direct_protocol
+from collsync.runtime.mpi_partial_direct import PROTOCOLS, direct_protocol
 from collsync.runtime.mpi_partial_lost import LostRanks
+from collsync.runtime.mpi_partial_messages import LARGE_MESSAGE, Messages
+from collsync.runtime.mpi_partial_tags import EMPTY, PENDING, READY, SUMMING, TagState, stamp, tag_state, unstamp
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.mpi_world import RankLost, gate, rank_prefix
 from collsync.types import Flat
 
 T = TypeVar("T")
 
-_EMPTY = -1  # the tag of a ring entry no round has used yet
 _ENTRY_HEAD = 5  # tickets, tag, blocks, quorum, count (then ranks[n])
 # Added to an entry's ticket counter by the rank that closes a round (once per round with tickets): a ticket drawn
 # after it carries it, so that rank knows it came after the close. Far above any world size, far below int64's
 # range over any run (2**63 / 2**24 rounds per entry).
 CLOSED = 1 << 24
 
-PENDING, SUMMING, READY, OVERWRITTEN = "pending", "summing", "ready", "overwritten"
-# A record word (blocks, quorum, count, ranks[n] of a ring entry) holds round * STAMP + value + 2: a reader that
-# saw the tag of round t takes the record from the same read only if every word carries round t (MPI makes each
-# word atomic, not the words together). Values are -1 (a padded rank) up to STAMP - 3; the +2 keeps a word never
-# written (0) from passing as round 0's.
-STAMP = 1 << 20
 
-
-# -- pure helpers (no MPI): the encodings the protocol relies on ----------------------------------------------------
-def writing_tag(round_: int) -> int:
-    """The tag of an entry whose mean for `round_` is being summed (its contributors known, each summing a block):
-    negative, distinct from `_EMPTY`."""
-    return -2 - round_
-
-
-def tag_state(tag: int, round_: int) -> str:
-    """What an entry's tag says to a reader of `round_`: PENDING (its quorum not yet in), SUMMING (the contributors
-    are summing their blocks), READY, or OVERWRITTEN (the entry has moved on to a later round: the mean is gone)."""
-    if tag == _EMPTY:
-        return PENDING
-    complete = tag >= 0
-    holds = tag if complete else -2 - tag
-    if holds > round_:
-        return OVERWRITTEN
-    if holds < round_:
-        return PENDING
-    return READY if complete else SUMMING
-
-
-def stamp(round_: int, values: np.ndarray) -> np.ndarray:
-    """`values` (an entry's record) as the words that say they belong to `round_`."""
-    return values + (round_ * STAMP + 2)
-
-
-def unstamp(words: np.ndarray, round_: int) -> np.ndarray | None:
-    """The record in `words` if every word was written for `round_`, else None (some are older or not yet there)."""
-    values = words - (round_ * STAMP + 2)
-    return values if bool(((values >= -1) & (values < STAMP - 2)).all()) else None
-
-
+# -- pure helpers (no MPI): the encodings the protocol relies on (the tag and record stamps: mpi_partial_tags) --
 def block(index: int, parts: int, numel: int) -> tuple[int, int]:
     """[start, stop) of block `index` of `parts` nearly equal contiguous blocks of 0..numel-1 (some empty when
     numel < parts)."""
@@ -202,7 +165,7 @@ class PartialWindows(LostRanks, Windows):
                 np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 0
             words_ = np.frombuffer(ctrl.tomemory(), dtype=np.int64)
             words_[:] = 0
-            words_[1 : self._posted : self._entry] = _EMPTY  # every entry's tag
+            words_[1 : self._posted : self._entry] = EMPTY  # every entry's tag
             words_[self._posted : self._read] = -1  # no rank has posted any round
             words_[self._summed :] = -1  # nor summed a block of one, nor waited in vain in a full round, nor is lost
             words_[self._left :] = 0  # no rank has come to the end (`leave_live`)
@@ -231,7 +194,7 @@ class PartialWindows(LostRanks, Windows):
     def _entry_at(self, round_: int) -> int:
         return (round_ % self.depth) * self._entry
 
-    def _entry_state(self, round_: int) -> tuple[str, np.ndarray | None]:
+    def _entry_state(self, round_: int) -> tuple[TagState, np.ndarray | None]:
         """The tag of `round_`'s entry and its record, in one `Get_accumulate` (one round trip): (SUMMING or READY,
         [blocks, quorum, count, ranks[n]]) once the record written for `round_` is there in full; else (the tag's
         state, None), PENDING too while the tag has landed before all of its record (they are written together)."""

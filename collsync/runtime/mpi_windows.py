@@ -171,7 +171,7 @@ class Windows:
                 value.win = CountingWin(value.win, counts)
             elif isinstance(value, Backoff):
                 setattr(self, name, CountingBackoff(value, counts))
-            elif hasattr(value, "count_into"):  # point-to-point messages (`mpi_partial_direct.Messages`)
+            elif hasattr(value, "count_into"):  # point-to-point messages (`mpi_partial_messages.Messages`)
                 value.count_into(counts)
         return counts
 

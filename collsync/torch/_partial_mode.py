@@ -132,6 +132,8 @@ class PartialMode(Mode):
             self.synchronize()
             if closure is None:
                 self._catch_up(base)
+        if self.rounds is not None:  # every way out of a late round (a script's own `synchronize()` too) completes
+            self.rounds.pause()  # its reads before the caller computes; after a catch-up, again: free
         return base(closure)
 
     def _catch_up(self, base: Callable[[Any], Any]) -> None:

@@ -13,7 +13,7 @@ import torch
 from collsync.checks import check_trace
 from collsync.loops import run_allreduce
 from collsync.policy import backup, bsp
-from collsync.rounds import run_partial
+from collsync.rounds import BackupRounds, run_partial
 from collsync.rules import sgd
 from collsync.runtime.mpi_coll import MpiCollective
 from collsync.runtime.mpi_partial import PartialAllreduce, PartialResult
@@ -472,3 +472,38 @@ def test_a_rank_outside_a_direct_round_takes_it_from_its_delivery_without_a_roun
             assert n == 1 or late not in result.contributors
         digest = zlib.crc32(b"".join(r.mean.numpy().tobytes() for r in results if r is not None))
         assert _same_everywhere(comm, digest.to_bytes(4, "little"))
+
+
+def test_a_catch_up_stopped_inside_its_backlog_leaves_the_ring_counting_what_it_read(comm):
+    """A late rank takes rounds from their deliveries (their tickets and read counter left to its next read while
+    more have come) and stops catching up on its room with more delivered (`BackupRounds.catch_up`, as on an epoch's
+    end): the stop completes them (`stop_reading`), so that stopped right there (SIGSTOP, a hung host) it leaves the
+    host's words in agreement with the rounds it read, as the gate and the lost-rank rules read them."""
+    n, rank, numel, rounds = comm.Get_size(), comm.Get_rank(), 33, 4
+    if n == 1:
+        pytest.skip("needs a rank outside the rounds: two ranks or more")
+    late = n - 1
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=rounds, protocol="direct") as pa:
+        results = []
+        if rank != late:
+            results = [pa(_contribution(rank, t, numel), quorum=n - 1, round=t) for t in range(rounds)]
+        comm.Barrier()  # the late rank comes once every round is complete
+        if rank == late:
+            deliveries, start = pa.msgs.deliveries, time.monotonic()
+            while deliveries.arrived_from(0) < rounds and time.monotonic() - start < 60:  # sent, maybe not yet here
+                time.sleep(0.001)
+            backup = BackupRounds(pa, n - 1)
+            results.append(backup.take(lambda: pytest.fail("round 0 was complete: nothing to compute")))
+            assert backup.late and backup.catch_up(1, results.append) == 1  # its room: rounds 2 and 3 delivered
+        read_to = comm.bcast(pa.round if rank == late else None, root=late)  # (a SIGSTOP would come here)
+        assert read_to == 2
+        # Every rank reads the late rank's words on the host: its read counter, and its ticket bit in each entry.
+        assert pa._load(pa._read + late) == read_to
+        assert [pa._load(pa._entry_at(t)) >> late & 1 for t in range(rounds)] == [1, 1, 0, 0]
+        comm.Barrier()  # read before the late rank goes on
+        if rank == late:  # it comes back and reads the rest
+            results += [pa.try_read(n - 1, t) for t in range(read_to, rounds)]
+        assert [r.round for r in results] == list(range(rounds))
+        for result in results:
+            assert result is not None and torch.equal(result.mean, _expected(result, numel))
+            assert late not in result.contributors

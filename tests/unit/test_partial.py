@@ -13,23 +13,25 @@ from collsync.policy import asynchronous, backup, bsp, ssp
 from collsync.rounds import BackupRounds, apply_result, run_partial, tolerated
 from collsync.rules import sgd
 from collsync.runtime.mpi_partial import PartialResult
-from collsync.runtime.mpi_partial_windows import (
-    CLOSED,
+from collsync.runtime.mpi_partial_tags import (
     OVERWRITTEN,
     PENDING,
     READY,
     SUMMING,
+    stamp,
+    tag_state,
+    unstamp,
+    writing_tag,
+)
+from collsync.runtime.mpi_partial_windows import (
+    CLOSED,
     _posted_for,
     block,
     check_call,
     check_margin,
     lagging,
     split,
-    stamp,
-    tag_state,
     ticket_state,
-    unstamp,
-    writing_tag,
 )
 from collsync.server import Server
 from collsync.trace import Trace
@@ -158,6 +160,7 @@ class Scripted:
     def __init__(self, size: int) -> None:
         self.size = size
         self.calls = 0
+        self.stops: list[int] = []  # the calls made before each `stop_reading` (the reads it completed)
 
     def _result(self, quorum: int, round: int, late: bool) -> PartialResult:
         order = [(round + i) % self.size for i in range(self.size)]
@@ -171,6 +174,9 @@ class Scripted:
 
     def try_read(self, quorum: int, round: int) -> PartialResult | None:
         return self._result(quorum, round, late=True) if round % 3 == 2 else None
+
+    def stop_reading(self) -> None:
+        self.stops.append(self.calls)
 
 
 def test_run_partial_traces_every_gradient_applied_or_dropped_once():
@@ -279,6 +285,27 @@ def test_catch_up_applies_at_most_the_room_it_has():
     off = BackupRounds(Behind(4, late=5), quorum=3, catch_up=False)
     off.take(lambda: torch.ones(3))
     assert off.catch_up(10, lambda result: None) == 0 and off.round == 1
+
+
+@pytest.mark.parametrize("why", ["room", "epoch", "off"])
+def test_a_catch_up_that_stops_inside_the_backlog_tells_the_transport(why):
+    """A catch-up that stops with rounds still complete (its room, an epoch's end, or catch-up off) tells the
+    transport that it stopped reading (`Partial.stop_reading`: the direct exchange completes the tickets and read
+    counter its reads from deliveries left to the next read), before the caller computes; a round in time, not."""
+    pa = Behind(4, late=5)
+    rounds = BackupRounds(pa, quorum=3, catch_up=why != "off")
+    rounds.take(lambda: torch.ones(3))
+    assert pa.stops == []  # not after `take`: a catch-up may read on, and its backlog completes with one Flush
+    room, stop = (1, None) if why == "room" else (10, (lambda: rounds.round >= 3))
+    caught = rounds.catch_up(room, lambda result: None, stop=stop)
+    assert caught == {"room": 1, "epoch": 2, "off": 0}[why] and rounds.round == 1 + caught
+    assert len(pa.stops) == 1
+    in_time = Behind(4, late=0)
+    rounds = BackupRounds(in_time, quorum=3)
+    rounds.take(lambda: torch.ones(3))
+    assert rounds.catch_up(10, lambda result: None) == 0 and not rounds.late
+    rounds.pause()
+    assert in_time.stops == []  # a round in time (contributed to) leaves nothing to complete
 
 
 def test_tolerated_is_what_the_policy_allows_while_the_quorum_can_come():
