@@ -85,9 +85,11 @@ def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path, overrides: Sequence[s
             f"runtime={spec.kind}: {size} rank(s) leave no worker beside {spec.servers} server(s){also}; "
             f"launch at least {spec.servers + scheduler + 1} ranks"
         )
-    if cst.is_initialized() and state().servers != servers:
-        cst.shutdown()  # a sweep run in one process whose runs differ in runtime.servers
-    cst.init(servers=servers, serve=False, deadline=parts.policy.deadline)  # start-up bounded by the deadline
+    placement = spec.placement
+    if cst.is_initialized() and (state().servers, state().placement) != (servers, placement):
+        cst.shutdown()  # a sweep run in one process whose runs differ in runtime.servers or runtime.placement
+    # The servers spread over the hosts (`runtime.placement`): `state().world` puts them first either way.
+    cst.init(servers=servers, serve=False, deadline=parts.policy.deadline, placement=placement)
     comm = state().world
     workers = comm.Get_size() - servers - scheduler
     if given(overrides, "runtime.workers") is not None:
@@ -95,7 +97,7 @@ def _run_mpi(parts: Parts, flat: FlatModel, out_dir: Path, overrides: Sequence[s
     check_fit(parts, workers)
     grads: GradFn = Gradients(flat, Batches(parts.data, workers, run.batch_size, run.seed))
     sampler = parts.stragglers.sampler(workers, run.seed) if spec.inject_stragglers else None
-    hosts = comm.allgather(socket.gethostname())  # summary.json names each rank's host
+    hosts = comm.allgather(socket.gethostname())  # summary.json names each rank's host (by rank of `comm`)
     launch = Launch(parts, flat, out_dir, comm, workers, grads, sampler, hosts, shrunk=shrunk)
     if spec.kind == "allreduce":
         return run_replicas(launch, allreduce_step)

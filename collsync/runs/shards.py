@@ -5,6 +5,10 @@ own, the last (`sync.scheduler=rank`).
 `ShardRun` is the engine both fronts share (`collsync.serving.ShardEngine`) with the trainer's extras handed in
 through its hooks: the evaluation, the checkpoints, the trace, the slow shard; `work()` for a worker rank; and
 `finish()`, where rank 0 writes the run folder. `run_shards` runs every rank through it.
+
+Ranks here are those of `launch.comm`, `collsync.torch.init`'s world, which puts the servers first (spread over the
+hosts by default: `collsync.runtime.placement`); summary.json names them as the launcher does (`named_rank`), and
+its `hosts` lists each rank's host by the launcher's rank.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collsync.runtime.mpi_checkpoint import ShardStates
 from collsync.runtime.mpi_shards import TAG_END, gather_within
 from collsync.runtime.mpi_specsync import SchedulerService, Speculator, install_safe_points
 from collsync.runtime.mpi_world import open_mpi
+from collsync.runtime.placement import launch_order, named_rank
 from collsync.runtime.watchdog import agree_on_the_end, worker_watchdog
 from collsync.server import Server
 from collsync.serving import Serving, ShardEngine, State
@@ -140,7 +145,7 @@ class ShardRun(ShardEngine):
 
         def save(why: str) -> None:
             at = evaluate.evaluate_at if evaluate is not None else None
-            hosts = {"hosts": launch.hosts}
+            hosts = {"hosts": launch_order(launch.comm, launch.hosts)}
             save_incomplete(
                 launch.out_dir, trace, parts.policy, server, parts.config, why, shards=shards, evaluate=at, extra=hosts
             )
@@ -165,7 +170,7 @@ class ShardRun(ShardEngine):
         self._served(server)  # several shards: their final states, which hold their blocks
         params, ema = self._trained(server)
         waiting_on = [{"rank": r, "host": h} for r, h in (shards.own.locate(w) for w in out)]
-        extra = {"hosts": launch.hosts, "waiting_on": waiting_on}
+        extra = {"hosts": launch_order(launch.comm, launch.hosts), "waiting_on": waiting_on}
         write_run(launch.out_dir, self.trace, parts.policy, server, parts.config, params=params, ema=ema, extra=extra)
         named = ", ".join(f"rank {x['rank']} on {x['host']}" for x in waiting_on)
         deadline = parts.policy.deadline
@@ -280,18 +285,21 @@ class ShardRun(ShardEngine):
         assert server is not None and self.shards is not None
         if not closed and not open_mpi():  # Open MPI's abort under --enable-recovery ends this rank alone
             ending.abort_at_exit(self.comm)
-        lost = lost_workers(trace, [r for r, b in enumerate(blocks) if b is None], launch.hosts)
+        lost = lost_workers(trace, [r for r, b in enumerate(blocks) if b is None], launch.hosts, self.comm)
         params = torch.cat([b[0] for b in blocks[:servers]])
         ema = None if server.ema is None else torch.cat([b[1] for b in blocks[:servers]])
         extra: dict[str, Any] = {}
         if servers > 1:
             self._evaluate_final(server.version, params, ema)
             bounds = self.shards.bounds
-            extra["shards"] = [{"rank": j, "params": list(bounds[j]), **b[3]} for j, b in enumerate(blocks[:servers])]
+            extra["shards"] = [
+                {"rank": named_rank(self.comm, j), "params": list(bounds[j]), **b[3]}
+                for j, b in enumerate(blocks[:servers])
+            ]
             extra["partial_pulls"] = sum(b for b in blocks[servers:] if b is not None)  # reads without every shard
         if specsync is not None:
             extra["specsync"] = specsync
-        extra["hosts"] = launch.hosts
+        extra["hosts"] = launch_order(launch.comm, launch.hosts)
         if lost:
             extra["lost"] = lost
         parts = launch.parts
@@ -322,12 +330,13 @@ def run_shards(launch: Launch) -> dict[str, Any] | None:
     return run.finish()
 
 
-def lost_workers(trace: Trace, silent: list[int], hosts: list[str]) -> list[dict[str, Any]]:
+def lost_workers(trace: Trace, silent: list[int], hosts: list[str], comm: Any = None) -> list[dict[str, Any]]:
     """The summary's `lost`: each worker the server lost (its `lost` event: rank, host, last update it was part
-    of), then each rank that did not answer at the end (no last update known: null)."""
+    of), then each rank of `comm` that did not answer at the end (no last update known: null); both by the
+    launcher's rank (the events record it so already: `WindowMailbox.locate`)."""
     lost = [ending.lost_rank(e["rank"], e["host"], e["last_update"]) for e in trace.of("lost")]
     known = {e["rank"] for e in lost}
-    lost += [ending.lost_rank(r, hosts[r], None) for r in silent if r not in known]
+    lost += [ending.lost_rank(named_rank(comm, r), hosts[r], None) for r in silent if named_rank(comm, r) not in known]
     return lost
 
 

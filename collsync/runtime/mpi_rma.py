@@ -50,6 +50,7 @@ import numpy as np
 
 from collsync.runtime.mpi_rma_serve import AWAY, FINISHED, ServedWindow
 from collsync.runtime.mpi_sent import as_float
+from collsync.runtime.placement import named_rank
 from collsync.types import Arrival, Flat, Stamp
 
 
@@ -78,7 +79,8 @@ class WindowMailbox(ServedWindow):
         if time.monotonic() - since >= self.silence:
             host = f" on {self.hosts[self.server]}" if self.hosts is not None else ""
             raise TimeoutError(
-                f"worker {self.worker}: no word from the server, rank {self.server}{host}, for {self.silence:g}s "
+                f"worker {self.worker}: no word from the server, rank {named_rank(self.comm, self.server)}{host}, for "
+                f"{self.silence:g}s "
                 f"(it stopped, hangs or died; at last seen step {int(self._hdr[1])})"
             )
 

@@ -19,6 +19,7 @@ import torch
 
 from collsync.runtime.mpi_sent import Inbox, Outbox, as_int
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
+from collsync.runtime.placement import named_rank
 from collsync.types import Arrival, Flat, Stamp
 
 _HDR = 4  # seq, version, done, signal (float64 bits)
@@ -153,7 +154,7 @@ class ServedWindow(Windows):
         for w in workers:
             rank = self.worker_ranks[w]
             host = f" on {self.hosts[rank]}" if self.hosts is not None else ""
-            named.append(f"worker {w} (rank {rank}{host})")
+            named.append(f"worker {w} (rank {named_rank(self.comm, rank)}{host})")
         return ", ".join(named)
 
     def departed(self) -> list[int]:
@@ -261,9 +262,10 @@ class ServedWindow(Windows):
         self._release()
 
     def locate(self, worker: int) -> tuple[int | None, str | None]:
-        """Server: this worker's rank and host (None where the hosts were not gathered)."""
+        """Server: this worker's rank (as the launcher numbers it: `placement.named_rank`) and host (None where the
+        hosts were not gathered)."""
         rank = self.worker_ranks[worker]
-        return rank, None if self.hosts is None else self.hosts[rank]
+        return named_rank(self.comm, rank), None if self.hosts is None else self.hosts[rank]
 
     def close(self, timeout: float | None = None, lost: Sequence[int] = ()) -> list[Arrival]:
         # The last arrival `recv` returned was accepted: free its slot now, or it would be taken a second time here.

@@ -15,6 +15,7 @@ import torch
 
 from collsync.ending import end, stop_now
 from collsync.runtime import startup
+from collsync.runtime.placement import named_rank
 from collsync.runtime.spec import SIZE_VARS, launched_under_mpi
 from collsync.say import say
 
@@ -65,8 +66,9 @@ def world() -> Any:
 
 
 def rank_prefix(comm: MPI.Comm) -> str:
-    """'rank 3 of 8 on node17': the attribution every distributed error message starts with."""
-    return f"rank {comm.Get_rank()} of {comm.Get_size()} on {socket.gethostname()}"
+    """'rank 3 of 8 on node17': the attribution every distributed error message starts with (the launcher's rank,
+    wherever the servers' placement put this rank in `comm`: `placement.named_rank`)."""
+    return f"rank {named_rank(comm, comm.Get_rank())} of {comm.Get_size()} on {socket.gethostname()}"
 
 
 class RankLost(TimeoutError):
@@ -140,7 +142,7 @@ def lost(comm: MPI.Comm, message: str, deadline: float | None) -> RankLost:
     if not missing:
         cause = "every rank is waiting inside it (MPI made no progress)"
     else:
-        named = ", ".join(f"rank {r} on {host_of(comm, r)}" for r in missing)
+        named = ", ".join(f"rank {named_rank(comm, r)} on {host_of(comm, r)}" for r in missing)
         cause = f"{named} did not arrive (stopped, hung or dead)"
     prefix = f"{rank_prefix(comm)}: "
     message = message.removeprefix(prefix).removesuffix(": a rank stopped, hangs or died")  # said better below

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from collsync.margin import check_margin
+from collsync.runtime.placement import DEFAULT as PLACEMENT
+from collsync.runtime.placement import check_placement
 
 # The launchers' environment variables, listed here only (`collsync.cli` and `mpi_world.launcher_size` read them too).
 # The world size: MPICH's Hydra and `srun --mpi=pmi2` (PMI), Open MPI's mpirun.
@@ -28,7 +30,8 @@ _AWAIT_ABORT_S = 10.0
 @dataclass(frozen=True)
 class RuntimeSpec:
     """`kind`: sim | mpi | allreduce | partial; `workers`: simulated workers (sim only); `servers`: server ranks
-    (mpi); `depth`, `margin`, `catch_up`, `protocol`: serverless backup's (partial; see `partial`)."""
+    (mpi), `placement`: which ranks they are (see `mpi`); `depth`, `margin`, `catch_up`, `protocol`: serverless
+    backup's (partial; see `partial`)."""
 
     kind: str
     workers: int = 8
@@ -40,6 +43,7 @@ class RuntimeSpec:
     margin: float | str | None = "auto"
     catch_up: bool | None = None
     protocol: str = "auto"
+    placement: str = PLACEMENT
 
     def __post_init__(self) -> None:
         if self.kind not in ("sim", "mpi", "allreduce", "partial"):
@@ -59,6 +63,7 @@ class RuntimeSpec:
             raise ValueError(f"runtime: time_scale={self.time_scale} must be > 0")
         if self.servers < 1:
             raise ValueError(f"runtime: servers={self.servers} must be >= 1")
+        check_placement(self.placement, "runtime: placement")
 
     def check_launcher(self, env: Mapping[str, str] | None = None) -> None:
         """Stop before any training when the launcher does not fit this runtime, saying what to pass instead.
@@ -128,18 +133,28 @@ def sim(workers: int = 8, margin: float | str | None = "auto", catch_up: bool | 
     return RuntimeSpec("sim", workers=workers, margin=margin, catch_up=catch_up)
 
 
-def mpi(servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
-    """Parameter server on MPI one-sided windows: ranks 0..servers-1 serve, the rest are workers.
+def mpi(
+    servers: int = 1, inject_stragglers: bool = False, time_scale: float = 0.01, placement: str = PLACEMENT
+) -> RuntimeSpec:
+    """Parameter server on MPI one-sided windows: `servers` ranks serve, the rest are workers.
 
-    `servers` M >= 2 splits the parameters into M shards balanced by size, shard j served by rank j (each with its
-    own update counter; PSP's partial pull, `sync=psp sync.pull_fraction=...`, works across them). Rank 0 writes
-    the run folder.
+    `servers` M >= 2 splits the parameters into M shards balanced by size, shard j served by server j (each with
+    its own update counter; PSP's partial pull, `sync=psp sync.pull_fraction=...`, works across them). Rank 0 writes
+    the run folder (and is always server 0).
+
+    `placement`: which ranks serve. "spread" (default): round-robin over the hosts (each host's first rank, then
+    each host's second, ...), so that under block placement (consecutive ranks on one host) the shards' traffic
+    does not all go through the first host's link; on one host it picks ranks 0..M-1, exactly as "first" does.
+    "first": ranks 0..M-1 of the launch. Messages name ranks as the launcher numbers them either way
+    (`collsync.runtime.placement`).
 
     `inject_stragglers`: each worker also sleeps the compute time and message delay the straggler model draws for
     its batch, times `time_scale` (the simulator's seconds are model seconds; 0.01 turns 1 s into 10 ms); a frozen
     worker stops computing until training ends. The same seeded draws as the simulator's.
     """
-    return RuntimeSpec("mpi", servers=servers, inject_stragglers=inject_stragglers, time_scale=time_scale)
+    return RuntimeSpec(
+        "mpi", servers=servers, inject_stragglers=inject_stragglers, time_scale=time_scale, placement=placement
+    )
 
 
 def allreduce(bucket_mib: float = 4.0, inject_stragglers: bool = False, time_scale: float = 0.01) -> RuntimeSpec:
@@ -195,11 +210,14 @@ def auto(
     time_scale: float = 0.01,
     margin: float | str | None = "auto",
     catch_up: bool | None = None,
+    placement: str = PLACEMENT,
 ) -> RuntimeSpec:
     """MPI when launched as several ranks (mpiexec, srun), else the simulator with `workers` workers (`margin` and
     `catch_up`: the simulator's backup rounds, see `sim`; the parameter server's backup rounds take exactly the
-    first N: `runtime=partial` is the serverless backup with a margin over MPI)."""
+    first N: `runtime=partial` is the serverless backup with a margin over MPI; `servers` and `placement`: the
+    parameter server's, see `mpi`)."""
+    check_placement(placement, "runtime: placement")  # refused alike wherever the run lands
     if launched_under_mpi():
         check_margin(margin)  # refused alike wherever the run lands
-        return mpi(servers, inject_stragglers, time_scale)
+        return mpi(servers, inject_stragglers, time_scale, placement)
     return sim(workers, margin, catch_up)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from collsync.ending import end
 from collsync.runtime.mpi_windows import Backoff
+from collsync.runtime.placement import named_rank
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -83,10 +84,10 @@ def worker_watchdog(
     counts, since a worker needs every shard's block; the line names this rank, its host and every server."""
     if bound is None or not mailboxes:
         return contextlib.nullcontext()
-    hosts = mailboxes[0].hosts or []
+    hosts, comm = mailboxes[0].hosts or [], mailboxes[0].comm
 
-    def where(r: int) -> str:
-        return f"rank {r}" + (f" on {hosts[r]}" if r < len(hosts) else "")
+    def where(r: int) -> str:  # the launcher's rank (`placement.named_rank`), the host by rank of `comm`
+        return f"rank {named_rank(comm, r)}" + (f" on {hosts[r]}" if r < len(hosts) else "")
 
     servers = ", ".join(where(box.server) for box in mailboxes)
     who = f"{where(rank)}: worker {mailboxes[0].worker}"

@@ -16,24 +16,26 @@ mode's semantics and `collsync.torch.config` for the options.
 from __future__ import annotations
 
 from collsync.torch import elastic
-from collsync.torch._world import (
+from collsync.torch._build import (
     ccl_built,
-    cross_rank,
-    cross_size,
     cuda_built,
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
-    rank,
     rocm_built,
+)
+from collsync.torch._world import (
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
     role,
     servers,
     shutdown,

@@ -6,8 +6,10 @@ Worker 0 sends each server a job (`Job`: the initial flat parameters, the policy
 factories with their arguments bound, the number of workers) when a `DistributedOptimizer` in a server mode is
 built; the windows are then opened collectively by every rank of the world
 (`collsync.runtime.mpi_shards.open_shards`), and shard j is served by `collsync.loops.run_server` on rank j exactly
-as `collsync-train runtime=mpi` serves it. At the workers' `shutdown()`, worker 0 sends `None`: the server ranks
-leave MPI and exit with status 0.
+as `collsync-train runtime=mpi` serves it. `world` here is `init()`'s, whose ranks put the servers first (spread
+over the hosts by default: `collsync.runtime.placement`), so `servers + w` is worker w's rank in it; what is named
+to the user maps back to the launcher's rank (`placement.named_rank`). At the workers' `shutdown()`, worker 0
+sends `None`: the server ranks leave MPI and exit with status 0.
 
 A server rank serves through `collsync.serving.ShardEngine`, the engine `collsync-train runtime=mpi` runs its
 server ranks through (that front adds its evaluation, checkpoint files and trace through the engine's hooks); it
@@ -42,6 +44,7 @@ from collsync.policy import SyncPolicy
 from collsync.rules import combine
 from collsync.runtime.mpi_windows import Backoff
 from collsync.runtime.mpi_world import abort_on_error, open_mpi
+from collsync.runtime.placement import named_rank
 from collsync.server import Server
 from collsync.serving import Serving, ShardEngine
 from collsync.trace import Trace
@@ -158,7 +161,10 @@ def tell_lost(world: MPI.Comm, servers: int, server: Server, locate: Callable[[i
     `DistributedOptimizer.lost` lists them: worker rank, world rank, host, the last update it contributed to."""
     if world.Get_rank() != 0:
         return
-    lost = [ending.lost_rank(w, locate(w)[1], server.contributed[w], world_rank=servers + w) for w in server.lost]
+    lost = [
+        ending.lost_rank(w, locate(w)[1], server.contributed[w], world_rank=named_rank(world, servers + w))
+        for w in server.lost
+    ]
     # Every worker is told (one lost only as slow may still come to close); only the live ones are waited on.
     requests = [world.isend(lost, dest=servers + w, tag=TAG_LOST) for w in range(server.workers)]
     for w, request in enumerate(requests):

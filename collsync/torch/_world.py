@@ -1,10 +1,12 @@
 """The world as `collsync.torch` shows it to a training script: who the workers are, and which ranks serve.
 
-With parameter-server modes the first M ranks of the MPI world serve the parameter shards (shard j on rank j, as
-`runtime=mpi` does). They are reserved at `init()`: a server rank never returns from `init()` (it serves until the
-workers leave, then exits with status 0), so the user's script runs on workers only and every Horovod call
-(`rank()`, `size()`, collectives, `broadcast_parameters`) is about the workers alone: `size()` is the number of
-workers, `rank()` is 0..size()-1. Without servers, every rank is a worker, as under Horovod.
+With parameter-server modes M ranks of the MPI world serve the parameter shards (shard j on rank j of `World.world`,
+as `runtime=mpi` does), spread round-robin over the hosts by default (`placement`, `collsync.runtime.placement`:
+`world` then orders them first; on one host it is the launcher's world, ranks 0..M-1). They are reserved at
+`init()`: a server rank never returns from `init()` (it serves until the workers leave, then exits with status 0),
+so the user's script runs on workers only and every Horovod call (`rank()`, `size()`, collectives,
+`broadcast_parameters`) is about the workers alone: `size()` is the number of workers, `rank()` is 0..size()-1.
+Without servers, every rank is a worker, as under Horovod.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collsync.runtime.mpi_world import (
     node_layout,
     set_threads,
 )
+from collsync.runtime.placement import DEFAULT as PLACEMENT
+from collsync.runtime.placement import check_placement, named_rank, place
 from collsync.torch import _stall
 from collsync.torch.config import SyncConfig, sync_config
 
@@ -38,7 +42,8 @@ _SERVERS_ENV = "COLLSYNC_SERVERS"
 
 @dataclass
 class World:
-    """What `init()` set up. `comm` spans the workers (the script's world); `world` is all of MPI's ranks."""
+    """What `init()` set up. `comm` spans the workers (the script's world); `world` is all of MPI's ranks, the
+    servers first (`placement`: the launcher's order, or the servers spread over the hosts put first)."""
 
     world: MPI.Intracomm
     comm: MPI.Intracomm
@@ -60,6 +65,7 @@ class World:
     # Inside `hvd.elastic.run`: a worker lost under ULFM raises HorovodInternalError from the step (the state rolls
     # back to its last commit) rather than the step being done again over the survivors.
     elastic: bool = False
+    placement: str = PLACEMENT
 
 
 _STATE: World | None = None
@@ -81,6 +87,7 @@ def init(
     backend: str | None = None,
     serve: bool = True,
     deadline: float | None = None,
+    placement: str | None = None,
 ) -> None:
     """Initialise collsync (Horovod's `hvd.init()`), reserving parameter-server ranks when the sync mode needs them.
 
@@ -89,8 +96,11 @@ def init(
         process_sets: Horovod process sets: not supported (NotImplementedError).
         sync: the default sync mode of `DistributedOptimizer` here (a name such as "async", a `SyncConfig` from
             `sync_config` or `from_config`, or a `SyncPolicy`). A server mode reserves its servers now.
-        servers: ranks 0..servers-1 serve parameter shards (default: what `sync` says, else the environment
+        servers: this many ranks serve parameter shards (default: what `sync` says, else the environment
             variable COLLSYNC_SERVERS, else 0). With servers >= 1 every sync mode runs on the parameter server.
+        placement: which ranks serve: "spread" (default: round-robin over the hosts, so that the shards' traffic
+            does not all go through the first host; on one host, ranks 0..servers-1 as with "first") or "first"
+            (ranks 0..servers-1 of the launcher's world). Errors still name ranks as the launcher numbers them.
         backend: "mpi" (default) or "horovod": what reduces gradients under full sync (bsp without servers).
         serve: False for a caller that runs the server ranks itself (`collsync-train`): they return from
             `init()` with `role() == "server"`, and `rank()` / `size()` count the servers there.
@@ -106,8 +116,10 @@ def init(
     """
     global _STATE
     _check_args(comm, process_sets, servers, deadline)
+    if placement is not None:
+        check_placement(placement, "collsync.torch.init: placement")
     config = sync_config(sync) if sync is not None else None
-    asked = {"sync": config, "servers": servers, "backend": backend, "deadline": deadline}
+    asked = {"sync": config, "servers": servers, "backend": backend, "deadline": deadline, "placement": placement}
     if deadline is None:
         deadline = config.policy.deadline if config is not None else DEADLINE
     startup.arm("collsync", deadline)  # MPI_Init (the import below) waits for every rank: bounded by the deadline
@@ -120,8 +132,10 @@ def init(
     servers = _servers(servers, config, world.Get_size())
     backend = _backend(backend, config)
     _watch(world)
-    hello(world, deadline)  # bounded: a rank that never arrives is named, not waited for (its host is kept)
+    hosts = hello(world, deadline)  # bounded: a rank that never arrives is named, not waited for (its host is kept)
     startup.disarm()
+    placement = placement or PLACEMENT
+    world = place(world, hosts, servers, placement)  # the servers first (the same `world` where nothing moves)
     _stall.configure(deadline)  # a collective some workers never call: named at 60 s, the job ended at the deadline
     node, cores = node_layout(world, deadline)  # collective over the whole world: servers included
     set_threads(world, node)
@@ -146,6 +160,7 @@ def init(
         role=role,
         serve=serve,
         deadline=deadline,
+        placement=placement,
     )
     if backend == "horovod" and role == "worker":
         from collsync.runtime.horovod import init as horovod_init  # lazily: Horovod is optional
@@ -197,6 +212,7 @@ def _again(st: World, asked: dict[str, Any]) -> None:
     """A second `init()`: the same options again (or none) are fine, as under Horovod; another sync mode, servers,
     backend or deadline would be ignored silently (the world is made once), so it is refused naming both."""
     first = {"sync": st.sync or sync_config("bsp"), "servers": st.servers, "backend": st.backend}
+    first["placement"] = st.placement
     for key, value in asked.items():
         was = first.get(key, st.deadline)
         if value is not None and value != was:
@@ -351,45 +367,19 @@ def role() -> str:
 
 
 def world_rank() -> int:
-    """This rank in the whole MPI world (servers included): what `mpiexec` and error lines number it by."""
-    return state("world_rank()").world.Get_rank()
+    """This rank in the whole MPI world (servers included): what `mpiexec` and error lines number it by (the
+    launcher's rank, whatever the servers' placement)."""
+    world = state("world_rank()").world
+    return named_rank(world, world.Get_rank())
 
 
 def servers() -> int:
-    """How many ranks serve parameter shards (ranks 0..servers()-1 of the MPI world)."""
+    """How many ranks serve parameter shards (spread over the hosts by default: `init(placement=...)`)."""
     return state("servers()").servers
 
 
 def where() -> str:
     """'worker 2 (rank 3 of 5 on node17)': the attribution collsync's errors start with."""
     st = state()
-    return (
-        f"worker {st.comm.Get_rank()} (rank {st.world.Get_rank()} of {st.world.Get_size()} on {socket.gethostname()})"
-    )
-
-
-def mpi_threads_supported() -> bool:
-    from mpi4py import MPI  # lazily: collsync imports without an MPI library
-
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-
-def _fixed(name: str, value: Any) -> Any:
-    """One of Horovod's build queries, whose answer is fixed for collsync (MPI on the CPU, nothing else)."""
-
-    def query() -> Any:
-        return value
-
-    query.__name__ = query.__qualname__ = name
-    return query
-
-
-mpi_enabled = _fixed("mpi_enabled", True)
-mpi_built = _fixed("mpi_built", True)
-gloo_enabled = _fixed("gloo_enabled", False)
-gloo_built = _fixed("gloo_built", False)
-nccl_built = _fixed("nccl_built", 0)
-ddl_built = _fixed("ddl_built", False)
-ccl_built = _fixed("ccl_built", False)
-cuda_built = _fixed("cuda_built", False)
-rocm_built = _fixed("rocm_built", False)
+    rank = named_rank(st.world, st.world.Get_rank())
+    return f"worker {st.comm.Get_rank()} (rank {rank} of {st.world.Get_size()} on {socket.gethostname()})"
