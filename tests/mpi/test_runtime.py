@@ -189,7 +189,9 @@ def test_a_round_through_the_windows_is_four_round_trips_or_none(comm, sent):
                 push(worker, box, grads(params, worker.rank, worker.steps), pull_next=True)
                 pushes.append(counts.minus(before))
             trips = 0 if sent else 1
-            assert pushes and all(c.round_trips == trips and c.waits == 0 for c in pushes), [c.round_trips for c in pushes]
+            assert pushes and all(c.round_trips == trips and c.waits == 0 for c in pushes), [
+                c.round_trips for c in pushes
+            ]
             own = [c.round_trips - c.poll_trips for c in pulls]
             assert all(x == (0 if sent else 3) for x in own), own
             assert all(c.poll_trips <= c.waits + 1 for c in pulls), [(c.poll_trips, c.waits) for c in pulls]
