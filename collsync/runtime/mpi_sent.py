@@ -246,6 +246,7 @@ class Inbox:
         self.push_req = self.comm.Isend([body, self.MPI.BYTE], self.server, _PUSH)
         if self.counts is not None:
             self.counts.ops["Isend"] += 1
+            self.counts.data_bytes += int(body.nbytes)
 
     def free(self) -> None:
         """At the end: the posted receive cancelled (the server sends nothing after `done`). The last push is left
