@@ -96,7 +96,9 @@ class WindowMailbox(ServedWindow):
         versions only grow, so the newer one is ready too). With server-sent parameters, the first read and each
         read after a push look at the delivery instead (no round trip); `window`: the window all the same."""
         buf = out.detach().numpy()
-        if self.inbox is not None and not window and (self._sent or not self._read_once):
+        # Streaming, every read looks at the deliveries (each publish comes; the last is `done`, which must be taken
+        # from its message, not left in MPI's queues at the end).
+        if self.inbox is not None and not window and (self._sent or not self._read_once or self.outbox_streams):
             return self._try_inbox(buf, ready, fetch)
         self._read_once = True
         torn = False  # `out` holds a copy torn by a publish: retry until it is clean, never hand it back as is
