@@ -33,7 +33,7 @@ class ServedWindow(Windows):
     """Collective constructor over `comm`: `server_rank` hosts the windows; `workers` lists the worker ranks in
     worker order (default: every other rank). Ranks that are neither (other shards' servers) expose nothing and
     may only `snapshot` the published parameters. `sends` (a round policy's `SyncPolicy.least_version`, given on
-    every rank alike): the server sends each worker the version it waits for (`runtime.mpi_sent`), and a push's
+    every rank alike): the server sends each worker the version it waits for (`runtime.mpi_sent`), and a
     push is a message; None: workers poll and Get, and push by `Put` and a flag word."""
 
     def __init__(
