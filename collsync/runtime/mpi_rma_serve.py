@@ -174,7 +174,7 @@ class ServedWindow(Windows):
             return None
         grad = None
         if full == 1:
-            grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
+            grad = self._buffer()
             self.win_box.Get([grad.numpy(), self._mpi_t], self.server, target=self.target(w))
         self._ctrl.load_many(slot + 1, self._pair, flush=False)
         self.win_box.Flush(self.server)
@@ -183,16 +183,15 @@ class ServedWindow(Windows):
     def _take_message(self, w: int, defer: bool) -> Arrival | None:
         """`_take` where pushes are messages (server-sent parameters): a local test, no round trip."""
         assert self.outbox is not None
-        pushed = self.outbox.pushed(w, self._buffer)
+        pushed = self.outbox.pushed(w, lambda: self._buffer().numpy())
         if pushed is None:
             return None
         _, version, clock, grad = pushed
         return self._took(Arrival(w, version, None if grad is None else torch.from_numpy(grad), clock), defer)
 
-    def _buffer(self) -> np.ndarray:
-        """A received gradient's buffer: a recycled one, else a new one."""
-        grad = self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
-        return grad.numpy()
+    def _buffer(self) -> torch.Tensor:
+        """A received gradient's buffer: a recycled one (`recycle`), else a new one."""
+        return self._spare.pop() if self._spare else torch.empty(self.numel, dtype=self.dtype)
 
     def _took(self, arrival: Arrival, defer: bool) -> Arrival:
         """A push taken: its slot freed now, or at the next publish or recv (`defer`, see `_release`)."""
