@@ -29,25 +29,28 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from collsync.runtime.mpi_channel import Channel
 from collsync.runtime.mpi_windows import RmaCounts
 from collsync.types import Flat
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-_TAG = 1
 # Sends and receives left in flight at `free`, with their buffers, which MPI may still read or write.
 _STRANDED: list[tuple[list[Any], np.ndarray]] = []
 
 
 class Deliveries:
     """One rank's deliveries: the ones it sent (in flight, each with its buffer) and the ones it received (by round).
-    On a duplicate of the ranks' communicator, so that a probe from any source matches nothing else."""
+    On a `Channel` of the ranks' communicator, so that a probe from any source matches nothing else."""
 
     def __init__(self, comm: MPI.Comm, numel: int, dtype: torch.dtype, size: int) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
-        self.MPI, self.comm = MPI, comm.Dup()
+        # Tags of its own: a delivery an earlier allreduce sent to a rank that never took it (a lost rank) would
+        # otherwise be taken here as a round of this one (`mpi_channel`).
+        self.channel = Channel(comm, tags=1)
+        self.MPI, self.comm, self._tag = MPI, self.channel.comm, self.channel.tag(0)
         self._np = np.float32 if dtype == torch.float32 else np.float64
         self.head = 3 + size  # round, quorum, count, ranks[size]
         self.nbytes = self.head * 8 + numel * np.dtype(self._np).itemsize
@@ -72,7 +75,7 @@ class Deliveries:
         head = buf[: self.head * 8].view(np.int64)
         head[0], head[1:] = round_, record
         buf[self.head * 8 :].view(self._np)[:] = mean.numpy()
-        self.sending.append(([self.comm.Isend([buf, self.MPI.BYTE], t, _TAG) for t in targets], buf))
+        self.sending.append(([self.comm.Isend([buf, self.MPI.BYTE], t, self._tag) for t in targets], buf))
         if self.counts is not None:
             self.counts.ops["Isend"] += len(targets)
             self.counts.data_bytes += self.nbytes * len(targets)
@@ -96,7 +99,7 @@ class Deliveries:
         return len(self.arrived)
 
     def _receive(self, floor: int) -> None:
-        while (message := self.comm.Improbe(self.MPI.ANY_SOURCE, _TAG)) is not None:
+        while (message := self.comm.Improbe(self.MPI.ANY_SOURCE, self._tag)) is not None:
             buf = np.empty(self.nbytes, dtype=np.uint8)
             self.receiving.append((message.Irecv([buf, self.MPI.BYTE]), buf))
             if self.counts is not None:
@@ -120,5 +123,4 @@ class Deliveries:
         _STRANDED.extend(self.sending)
         _STRANDED.extend(([req], buf) for req, buf in self.receiving)
         self.sending, self.receiving, self.arrived = [], [], {}
-        if self.comm != self.MPI.COMM_NULL:
-            self.comm.Free()
+        self.channel.free()

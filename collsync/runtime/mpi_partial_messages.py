@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from collsync import keepalive
+from collsync.runtime.mpi_channel import Channel
 from collsync.runtime.mpi_partial_deliver import Deliveries
 from collsync.runtime.mpi_windows import Backoff, RmaCounts
 from collsync.runtime.mpi_world import RankLost
@@ -62,17 +63,18 @@ class Posted:
 
 
 class Messages:
-    """The direct exchange's point-to-point messages, on a duplicate of the ranks' communicator (never matched
-    with the caller's). Counted into `counts` where a benchmark asks (`Windows.count` calls `count_into`): each
-    message an operation (`Isend`, `Irecv`) and its bytes, each wait for a phase that has messages one blocking
-    round trip, each pause in it one local test (`RmaCounts.tests`, not a round trip)."""
+    """The direct exchange's point-to-point messages, on a `Channel` of the ranks' communicator (never matched with
+    the caller's, nor with those an earlier exchange left unreceived). Counted into `counts` where a benchmark asks
+    (`Windows.count` calls `count_into`): each message an operation (`Isend`, `Irecv`) and its bytes, each wait for
+    a phase that has messages one blocking round trip, each pause in it one local test (`RmaCounts.tests`, not a
+    round trip)."""
 
     def __init__(self, comm: MPI.Comm, mpi_t: Any, backoff: Backoff, deliveries: Deliveries | None = None) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
-        self.MPI, self.comm, self.mpi_t, self.backoff = MPI, comm.Dup(), mpi_t, backoff
-        tag_ub = self.comm.Get_attr(MPI.TAG_UB)
-        self.rounds = max(1, int(tag_ub if tag_ub is not None else 32767) // _PHASES)
+        self.channel = Channel(comm)  # tags of its own: no message an earlier exchange left behind matches them
+        self.MPI, self.comm, self.mpi_t, self.backoff = MPI, self.channel.comm, mpi_t, backoff
+        self.rounds = max(1, self.channel.tags // _PHASES)
         self.counts: RmaCounts | None = None
         self.deliveries = deliveries  # the means sent to the ranks outside an exchange
 
@@ -83,7 +85,7 @@ class Messages:
 
     def tag(self, round_: int, phase: int) -> int:
         """Rounds more than `rounds` apart never meet: the gate keeps ranks within the ring's depth."""
-        return (round_ % self.rounds) * _PHASES + phase
+        return self.channel.tag((round_ % self.rounds) * _PHASES + phase)
 
     def post(
         self, sends: Sequence[tuple[np.ndarray, int]], recvs: Sequence[tuple[np.ndarray, int]], tag: int
@@ -172,5 +174,4 @@ class Messages:
     def free(self) -> None:
         if self.deliveries is not None:
             self.deliveries.free()
-        if self.comm != self.MPI.COMM_NULL:
-            self.comm.Free()
+        self.channel.free()

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from collsync.runtime.mpi_sent import Inbox, Outbox, as_int
+from collsync.runtime.mpi_channel import Channel
+from collsync.runtime.mpi_sent import TAGS, Inbox, Outbox, as_int
 from collsync.runtime.mpi_windows import Backoff, Windows, Words, poll_cap
 from collsync.runtime.placement import named_rank
 from collsync.types import Arrival, Flat, Stamp
@@ -82,8 +83,9 @@ class ServedWindow(Windows):
         for win in self._wins:
             win.Lock_all()
         self._ctrl = Words(self.win_box, server_rank)
-        # Server-sent parameters: their own communicator, so that no other protocol's message is matched with them.
-        self._msgs = comm.Dup() if sends is not None else None
+        # Server-sent parameters: their own communicator and tags, so that no other protocol's message, nor one an
+        # earlier mailbox left unreceived (a lost worker's push), is matched with them (`mpi_channel`).
+        self._msgs = Channel(comm, tags=TAGS) if sends is not None else None
         self.outbox: Outbox | None = None
         self.inbox: Inbox | None = None
         if self._msgs is not None and sends is not None:
@@ -300,6 +302,6 @@ class ServedWindow(Windows):
             if box is not None:
                 box.free()
         if self._msgs is not None:
-            self._msgs.Free()  # deliveries nobody took (to a lost worker) are left to the exit
+            self._msgs.free()  # deliveries nobody took (to a lost worker) are left to the exit
             self._msgs = None
         super().free()

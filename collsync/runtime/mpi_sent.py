@@ -31,18 +31,17 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from collsync.runtime.mpi_channel import Channel
 from collsync.runtime.mpi_windows import RmaCounts
 from collsync.types import Stamp
 
-if TYPE_CHECKING:
-    from mpi4py import MPI
-
 _HDR = 4  # version, done, signal (float64 bits), pushes dealt with
-_DATA, _STAMP, _PUSH = 0, 1, 3  # tags: parameters, their stamp, a push (header and gradient)
+_DATA, _STAMP, _PUSH = 0, 1, 3  # a mailbox's tags (`Channel.tag`): parameters, their stamp, a push
+TAGS = 4
 _PUSH_HDR = 3  # a push's header: flag (1: a gradient follows, 2: the header only), version, clock
 # How long after a delivery went out the server, and after its stamp came the worker, yield the core between tests
 # rather than sleep: a large message moves only while both sides call into MPI (over TCP, and through shared memory
@@ -73,15 +72,16 @@ def gradient_of(message: np.ndarray, numel: int, np_t: Any) -> np.ndarray:
 
 
 class Outbox:
-    """The server's side: what it owes each worker and the deliveries in flight (`comm`: the mailbox's duplicate,
-    so these messages never meet another protocol's; `ranks[w]`: worker w's rank in it)."""
+    """The server's side: what it owes each worker and the deliveries in flight (`channel`: the mailbox's, so these
+    messages never meet another protocol's nor an earlier mailbox's; `ranks[w]`: worker w's rank in it)."""
 
     def __init__(
-        self, comm: MPI.Comm, ranks: list[int], need: Callable[[int], int], numel: int, np_t: Any, mpi_t: Any
+        self, channel: Channel, ranks: list[int], need: Callable[[int], int], numel: int, np_t: Any, mpi_t: Any
     ) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
-        self.MPI, self.comm, self.ranks, self.need, self.np_t, self.mpi_t = MPI, comm, ranks, need, np_t, mpi_t
+        self.MPI, self.comm, self.tag = MPI, channel.comm, channel.tag
+        self.ranks, self.need, self.np_t, self.mpi_t = ranks, need, np_t, mpi_t
         n = len(ranks)
         self.owed: dict[int, int] = dict.fromkeys(range(n), 0)  # worker -> least version it reads next
         self.live = set(range(n))  # not lost: told when training is over
@@ -104,7 +104,7 @@ class Outbox:
         return bool(self.flying) and time.monotonic() - self.sent_at < HURRY_S
 
     def _post_push(self, w: int) -> Any:
-        return self.comm.Irecv([self.pushes[w], self.MPI.BYTE], self.ranks[w], _PUSH)
+        return self.comm.Irecv([self.pushes[w], self.MPI.BYTE], self.ranks[w], self.tag(_PUSH))
 
     def pushed(self, w: int, out: Callable[[], np.ndarray]) -> tuple[int, int, int, np.ndarray | None] | None:
         """Worker w's next push, if it came (a local test): its flag (1: a gradient, 2: a header only), version and
@@ -167,8 +167,8 @@ class Outbox:
             head[:] = (stamp.version, int(stamp.done), as_int(stamp.signal), self.dealt[w])
             rank, buf = self.ranks[w], self.buffers[self.current]
             reqs = [
-                self.comm.Isend([head, self.MPI.INT64_T], rank, _STAMP),
-                self.comm.Isend([buf, self.mpi_t], rank, _DATA),
+                self.comm.Isend([head, self.MPI.INT64_T], rank, self.tag(_STAMP)),
+                self.comm.Isend([buf, self.mpi_t], rank, self.tag(_DATA)),
             ]
             self.flying[w] = (reqs, self.current)
             self.sent += 1
@@ -189,10 +189,10 @@ class Outbox:
 class Inbox:
     """A worker's side: the delivery receive posted towards server rank `server`, and the push's message."""
 
-    def __init__(self, comm: MPI.Comm, server: int, numel: int, np_t: Any, mpi_t: Any) -> None:
+    def __init__(self, channel: Channel, server: int, numel: int, np_t: Any, mpi_t: Any) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
-        self.MPI, self.comm, self.server, self.mpi_t = MPI, comm, server, mpi_t
+        self.MPI, self.comm, self.tag, self.server, self.mpi_t = MPI, channel.comm, channel.tag, server, mpi_t
         self.head = np.zeros(_HDR, dtype=np.int64)
         self.data = np.empty(numel, dtype=np_t)
         self.numel = numel
@@ -207,8 +207,8 @@ class Inbox:
 
     def _post(self) -> list[Any]:
         reqs = [
-            self.comm.Irecv([self.head, self.MPI.INT64_T], self.server, _STAMP),
-            self.comm.Irecv([self.data, self.mpi_t], self.server, _DATA),
+            self.comm.Irecv([self.head, self.MPI.INT64_T], self.server, self.tag(_STAMP)),
+            self.comm.Irecv([self.data, self.mpi_t], self.server, self.tag(_DATA)),
         ]
         if self.counts is not None:
             self.counts.ops["Irecv"] += 2
@@ -243,7 +243,7 @@ class Inbox:
         if grad is not None:
             gradient_of(message, self.numel, grad.dtype)[:] = grad
         body = message if grad is not None else message[:_PUSH_HDR]
-        self.push_req = self.comm.Isend([body, self.MPI.BYTE], self.server, _PUSH)
+        self.push_req = self.comm.Isend([body, self.MPI.BYTE], self.server, self.tag(_PUSH))
         if self.counts is not None:
             self.counts.ops["Isend"] += 1
             self.counts.data_bytes += int(body.nbytes)

@@ -101,6 +101,10 @@ def test_sigterm_while_start_up_waits_for_a_lost_rank_ends_the_job_at_once(tmp_p
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-2000:])
+    # Both live ranks end by the SIGTERM (each says so, below). The launcher then kills the stopped rank 2 with
+    # SIGKILL, and MPICH's mpiexec reports whichever status it collected first: 143, or that kill's 9 (1 run in
+    # about 7 here). Which one is the launcher's, not collsync's.
+    assert proc.returncode in (128 + signal.SIGTERM, signal.SIGKILL), (proc.returncode, err[-2000:])
     assert took < 20, (took, err[-2000:])
-    assert "collsync: stopped by SIGTERM during start-up" in err and "Traceback" not in err, err[-2000:]
+    assert err.count("collsync: stopped by SIGTERM during start-up") == 2, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
