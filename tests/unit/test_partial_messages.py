@@ -46,6 +46,7 @@ def _messages(stuck: set[tuple[int, bool]]) -> Messages:
     )
     msgs.MPI, msgs.comm, msgs.mpi_t, msgs.backoff = fake_mpi, _Comm(stuck), "double", Backoff(spins=0, cap=1e-4)
     msgs.rounds, msgs.counts, msgs.deliveries = 1000, None, None
+    msgs.channel = SimpleNamespace(tag=lambda i: i)  # a `Channel` of generation 0
     return msgs
 
 
