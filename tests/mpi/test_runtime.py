@@ -200,6 +200,37 @@ def test_a_round_through_the_windows_is_four_round_trips_or_none(comm, sent):
                 assert all(c.ops["Isend"] == 1 and c.remote_ops == 1 for c in pushes), [c.ops for c in pushes]
 
 
+@pytest.mark.parametrize("name", ["ssp", "bsp"])
+def test_an_ssp_worker_reads_its_next_version_before_its_push_lands(comm, name):
+    """Issue 33, item 3: under SSP (bound 1) the servers send every version as it is published (`policy.Sent.
+    streams`), so a worker that pushed round 0 computes round 1 on the version it holds while the server has not
+    even taken the push (here: held in a barrier); under BSP it reads its own writes and must wait for the push."""
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    policy = ssp(1) if name == "ssp" else bsp()
+    numel, workers = 6, comm.Get_size() - 1
+    with WindowMailbox(comm, numel, dtype=torch.float64, sends=policy.sent()) as box:
+        if box.is_server:
+            box.publish(torch.zeros(numel, dtype=torch.float64), Stamp(0, False))
+            comm.Barrier()  # every worker pushed round 0 and tried its next read; none of the pushes was taken
+            taken = [box.recv(timeout=30.0) for _ in range(workers)]
+            assert all(a is not None and a.clock == 0 for a in taken), taken
+            box.publish(torch.ones(numel, dtype=torch.float64), Stamp(1, True))
+            box.close(timeout=30.0)
+        else:
+            worker, params = Worker(box.worker, policy), torch.empty(numel, dtype=torch.float64)
+            assert pull(worker, box, params).version == 0
+            push(worker, box, torch.ones(numel, dtype=torch.float64), pull_next=True)
+            stamp = box.try_read(params, worker.ready)
+            if name == "ssp":
+                assert stamp is not None and stamp.version == 0 and worker.ready(stamp), stamp
+                worker.begin(stamp)  # round 1 on version 0; its next round needs version 1
+            else:
+                assert stamp is None, stamp  # round 1 needs version 1: the push first
+            comm.Barrier()
+            assert pull(worker, box, params).done
+
+
 def test_close_names_a_worker_that_never_stops(comm):
     if comm.Get_size() < 2:
         pytest.skip("a mailbox needs a server and at least one worker")
