@@ -38,10 +38,13 @@ class Sent:
     goes to every worker and a worker reads the first version `least` allows without waiting for its own push to
     land (SSP: the version its next round needs was published before its push arrived, so push and pull cross
     instead of following each other); else each worker is sent the first version >= `least` once its push was
-    dealt with."""
+    dealt with. `ahead` (streaming): the most deliveries a worker is sent beyond those it had taken when it made its
+    last push the server took (`runtime.mpi_sent.Outbox`: a small delivery completes at the server before the
+    worker receives it, so without a bound a worker that stopped would be sent every version into MPI's buffers)."""
 
     least: Callable[[int], int]
     streams: bool
+    ahead: int = 1
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,11 @@ class SyncPolicy:
         every worker would be n times the traffic) and SpecSync (a re-sync reads with no push before it)."""
         if not self.rounds or self.speculation is not None or self.transmit is not None:
             return None
-        return Sent(self.least_version, streams=bool(self.max_lead))
+        # SSP's bound s: while the server waits on a worker it publishes at most s + 1 versions past the one that
+        # worker last pushed from (round c waits for its push; that push's version was >= c - s), so this many
+        # deliveries ahead never hold back a worker the rounds wait on.
+        lead = self.max_lead or 0
+        return Sent(self.least_version, streams=bool(lead), ahead=lead + 1)
 
     def may_start(self, clock: int, version: int) -> bool:
         """Whether a worker may compute the gradient of round `clock` on parameters at server `version`."""

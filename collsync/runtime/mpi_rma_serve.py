@@ -265,6 +265,12 @@ class ServedWindow(Windows):
             self.outbox.publish(buf, stamp)
         self._release()
 
+    def lose(self, worker: int) -> None:
+        """Server: the server lost this worker (`Server.lose`): with server-sent parameters it is sent no version
+        more, only `done` (`mpi_sent.Outbox.mute`); pushes it still sends are taken as before (and dropped)."""
+        if self.outbox is not None:
+            self.outbox.mute(worker)
+
     def locate(self, worker: int) -> tuple[int | None, str | None]:
         """Server: this worker's rank (as the launcher numbers it: `placement.named_rank`) and host (None where the
         hosts were not gathered)."""

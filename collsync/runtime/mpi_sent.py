@@ -22,14 +22,19 @@ Messages, not one-sided `Put`s into a window the worker exposes: across hosts a 
 once its target enters MPI, so a server putting to a worker that computes, is stopped or died would wait for it;
 an `Isend` never blocks the server, and a message is received whole or not at all (no torn copy). At most one
 delivery is in flight per worker (a newer one waits for it, and the newest is sent then), so a lost worker holds
-one send and one parameter buffer, never the server.
+one send and one parameter buffer, never the server. In flight is not all: a small delivery's send completes once
+MPI buffered it, received or not, and the buffers of one host's ranks are few and shared by every destination
+(MPICH's shared memory: 64 cells a sender). So a worker the server lost is sent `done` only (`Outbox.mute`), and a
+streaming worker is sent at most `policy.Sent.ahead` deliveries beyond those it had received when it last pushed
+(each push says how many): never fewer than one it is waited on needs, but a worker that stopped or is left behind
+no longer takes every publish into buffers the other workers' deliveries need.
 
-The push goes the same way: one message holding its header (flag, version, clock) and the gradient, into a receive
-the server keeps posted for each worker (pushes of one worker arrive in order; one sent before the last was taken
-waits in MPI's queue until the receive is posted again). A `Put` of the gradient needed a `Flush` (a round trip,
-waiting for the server to enter MPI) before the flag could follow it, and the worker waited for that round trip
-before computing on. A message needs no completion before the worker moves on, and its header and data arrive
-together, so the server never sees one without the other.
+The push goes the same way: one message holding its header (flag, version, clock, deliveries received) and the
+gradient, into a receive the server keeps posted for each worker (pushes of one worker arrive in order; one sent
+before the last was taken waits in MPI's queue until the receive is posted again). A `Put` of the gradient needed a
+`Flush` (a round trip, waiting for the server to enter MPI) before the flag could follow it, and the worker waited
+for that round trip before computing on. A message needs no completion before the worker moves on, and its header
+and data arrive together, so the server never sees one without the other.
 
 Async and B-FASGD stay on the windows: each update would be a delivery to every worker (n times the traffic), and
 SpecSync re-syncs with reads no push precedes.
@@ -54,7 +59,9 @@ if TYPE_CHECKING:
 _HDR = 4  # version, done, signal (float64 bits), pushes dealt with
 _DATA, _STAMP, _PUSH = 0, 1, 3  # a mailbox's tags (`Channel.tag`): parameters, their stamp, a push
 TAGS = 4
-_PUSH_HDR = 3  # a push's header: flag (1: a gradient follows, 2: the header only), version, clock
+# A push's header: flag (1: a gradient follows, 2: the header only), version, clock, and the deliveries its worker
+# had received when it pushed (`Outbox.send` bounds those it is sent beyond them).
+_PUSH_HDR = 4
 # How long after a delivery went out the server, and after its stamp came the worker, yield the core between tests
 # rather than sleep: a large message moves only while both sides call into MPI (over TCP, and through shared memory
 # without a single-copy transfer), and the pollers' pauses are up to 1 ms. Not while a worker waits for the
@@ -92,10 +99,12 @@ class Outbox:
 
         self.MPI, self.comm, self.tag = MPI, channel.comm, channel.tag
         self.ranks, self.np_t, self.mpi_t = ranks, np_t, mpi_t
-        self.need, self.streams = sent.least, sent.streams
+        self.need, self.streams, self.ahead = sent.least, sent.streams, sent.ahead
         n = len(ranks)
         self.owed: dict[int, int] = dict.fromkeys(range(n), 0)  # worker -> least version it reads next
         self.delivered = [-1] * n  # the last version sent to each worker
+        self.deliveries = [0] * n  # deliveries sent to each worker
+        self.received = [0] * n  # of those, how many it had received at its last push taken (its header says)
         self.live = set(range(n))  # not lost: told when training is over
         self.dealt = [0] * n  # each worker's pushes dealt with (freed)
         self.flying: dict[int, tuple[list[Any], int]] = {}  # worker -> (its delivery's requests, buffer index)
@@ -104,7 +113,8 @@ class Outbox:
         self.current = -1  # the buffer of the last publish
         self.stamp = Stamp(-1, False)
         self.numel = numel
-        self.lost: set[int] = set()
+        self.lost: set[int] = set()  # forgotten at the end: sent nothing more
+        self.muted: set[int] = set()  # lost during the run: sent `done` only
         # One receive posted per worker: its pushes come in order (MPI does not overtake between two ranks), and
         # one that comes before the last was taken waits in MPI's queue until the receive is posted again.
         self.pushes = [push_buffer(numel, np_t) for _ in range(n)]
@@ -125,7 +135,8 @@ class Outbox:
         if not self.push_reqs[w].Test():
             return None
         message = self.pushes[w]
-        flag, version, clock = (int(x) for x in message[:_PUSH_HDR])
+        flag, version, clock, received = (int(x) for x in message[:_PUSH_HDR])
+        self.received[w] = max(self.received[w], received)
         grad = None
         if flag == 1:
             grad = out()
@@ -155,6 +166,14 @@ class Outbox:
         if not self.streams:
             self.owed[w] = self.need(clock)
 
+    def mute(self, w: int) -> None:
+        """The server lost worker w during the run: it is sent no version more, only `done` (should it come back,
+        it ends). Each delivery to a worker that stopped stays in MPI: a small one is buffered at the server's
+        side (MPICH's shared-memory cells, 64 per process, taken from the sender's pool), and streaming one
+        every publish to a stopped worker took them all, after which no send to any worker went out."""
+        self.owed.pop(w, None)
+        self.muted.add(w)
+
     def forget(self, w: int) -> None:
         """A lost worker is sent nothing more (a delivery in flight to it stays so, holding one buffer)."""
         self.owed.pop(w, None)
@@ -171,13 +190,25 @@ class Outbox:
 
     def send(self) -> None:
         """Every delivery due now, to each live worker with none in flight: the version a worker is owed once it
-        is published, or (`streams`) every version it has not had; training over, `done` to every live worker."""
+        is published, or (`streams`) every version it has not had, at most `ahead` deliveries beyond those it had
+        received at its last push; training over, `done` to every live worker.
+
+        "In flight" alone does not bound what waits at a worker: a small message's send completes once MPI
+        buffered it, received or not. A worker the rounds wait on never has `ahead` deliveries it had not received
+        at its last push (`policy.Sent`); one that stopped, or that rounds go on without (a collection timeout), is
+        sent no more until its next push says it received them, so its unreceived deliveries stay few and MPI's
+        buffers serve the others."""
         stamp = self.stamp
         if self.current < 0:
             return
         for w in sorted(self.live):
             if w in self.flying:
                 continue
+            if not stamp.done:
+                if w in self.muted:
+                    continue
+                if self.streams and self.deliveries[w] - self.received[w] >= self.ahead:
+                    continue
             owed = w in self.owed and stamp.version >= self.owed[w]
             if not (stamp.done or owed or (self.streams and stamp.version > self.delivered[w])):
                 continue
@@ -190,6 +221,7 @@ class Outbox:
             ]
             self.flying[w] = (reqs, self.current)
             self.sent += 1
+            self.deliveries[w] += 1
             self.sent_at = time.monotonic()
             self.delivered[w] = stamp.version
             self.owed.pop(w, None)
@@ -218,6 +250,7 @@ class Inbox:
         self.data = np.empty(numel, dtype=np_t)
         self._filling = np.empty(numel, dtype=np_t)
         self.last: Stamp | None = None  # the stamp of the delivery in `data`
+        self.received = 0  # deliveries received (each push tells the server: `Outbox.send` bounds those ahead)
         self.numel = numel
         # Two push buffers, used in turn: the gradient is copied in (the caller's buffer is free at once), and a push
         # may go while the one before is still on its way.
@@ -255,6 +288,7 @@ class Inbox:
             if self.counts is not None:
                 self.counts.data_bytes += int(self.head.nbytes + self.data.nbytes)
             self.data, self._filling = self._filling, self.data
+            self.received += 1
             self.last = Stamp(version, bool(done), as_float(signal))
             if done or pushes is None or dealt >= pushes:
                 got = self.last
@@ -264,14 +298,14 @@ class Inbox:
         return got
 
     def push(self, grad: np.ndarray | None, version: int, clock: int) -> None:
-        """The push, one message: header (flag, version, clock) and the gradient (None: the header only). The
-        worker computes on at once; the server has it whole or not at all."""
+        """The push, one message: header (flag, version, clock, deliveries received) and the gradient (None: the
+        header only). The worker computes on at once; the server has it whole or not at all."""
         i = self._next_push
         self._next_push = 1 - i
         if self._push_reqs[i] is not None:
             self._push_reqs[i].Wait()  # the push before last: the server has long taken it (the policy's bound)
         message = self._pushes[i]
-        message[:_PUSH_HDR] = (1 if grad is not None else 2, version, clock)
+        message[:_PUSH_HDR] = (1 if grad is not None else 2, version, clock, self.received)
         if grad is not None:
             gradient_of(message, self.numel, grad.dtype)[:] = grad
         body = message if grad is not None else message[:_PUSH_HDR]
