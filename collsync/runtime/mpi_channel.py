@@ -33,7 +33,7 @@ class Channel:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
         global _made
-        bound: Any = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # the library's, cached on the world (MPI-4 7.1.1)
+        bound: Any = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # the library's bound, an attribute of the world
         span = (int(bound if bound is not None else 32767) + 1) // GENERATIONS
         if tags is not None and not 0 < tags <= span:
             raise ValueError(f"a channel has 1 to {span} tags under this MPI library's tag bound ({bound}); {tags=}")

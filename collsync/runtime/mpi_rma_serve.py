@@ -302,6 +302,6 @@ class ServedWindow(Windows):
             if box is not None:
                 box.free()
         if self._msgs is not None:
-            self._msgs.free()  # deliveries nobody took (to a lost worker) are left to the exit
+            self._msgs.free()  # takes what came here unreceived; deliveries sent to a lost worker stay with it
             self._msgs = None
         super().free()

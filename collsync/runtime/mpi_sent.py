@@ -41,7 +41,7 @@ from collsync.types import Stamp
 
 _HDR = 4  # version, done, signal (float64 bits), pushes dealt with
 _DATA, _STAMP, _PUSH = 0, 1, 3  # a mailbox's tags (`Channel.tag`): parameters, their stamp, a push
-TAGS = 4
+TAGS = _PUSH + 1  # the mailbox's channel holds tags 0 to the highest above
 _PUSH_HDR = 3  # a push's header: flag (1: a gradient follows, 2: the header only), version, clock
 # How long after a delivery went out the server, and after its stamp came the worker, yield the core between tests
 # rather than sleep: a large message moves only while both sides call into MPI (over TCP, and through shared memory
