@@ -74,6 +74,7 @@ def lose_silent(server: Server, mailbox: ServingMailbox, heard: list[float], now
         rank, host = mailbox.locate(w)
         if not server.lose(w, rank, host):
             raise TimeoutError(stuck_message(server, mailbox.describe, None if server.policy.rounds else silent))
+        mailbox.lose(w)
     return bool(silent)
 
 

@@ -32,6 +32,22 @@ from collsync.specsync import Speculation
 
 
 @dataclass(frozen=True)
+class Sent:
+    """How the servers send a round policy's parameters (`SyncPolicy.sent`, `runtime.mpi_sent`): `least` is the
+    first version a worker that pushed round c may compute on (`SyncPolicy.least_version`); `streams`: every publish
+    goes to every worker and a worker reads the first version `least` allows without waiting for its own push to
+    land (SSP: the version its next round needs was published before its push arrived, so push and pull cross
+    instead of following each other); else each worker is sent the first version >= `least` once its push was
+    dealt with. `ahead` (streaming): the most deliveries a worker is sent beyond those it had taken when it made its
+    last push the server took (`runtime.mpi_sent.Outbox`: a small delivery completes at the server before the
+    worker receives it, so without a bound a worker that stopped would be sent every version into MPI's buffers)."""
+
+    least: Callable[[int], int]
+    streams: bool
+    ahead: int = 1
+
+
+@dataclass(frozen=True)
 class Transmit:
     """B-FASGD's bandwidth control (002_... §2.3, eq. 9): at each opportunity a worker pushes (fetches) iff
 
@@ -199,14 +215,19 @@ class SyncPolicy:
         """The first version on which a worker that pushed round `clock` may compute its next (`may_start`)."""
         return clock + 1 - (self.max_lead or 0) if self.rounds else 0
 
-    def sent(self) -> Callable[[int], int] | None:
-        """What the servers send a worker after its push (`runtime.mpi_sent`): the first version >= its
-        `least_version`, for a round policy (a worker reads right after each push; no read without one). None
-        where workers pull: stream policies (each update sent to every worker would be n times the traffic) and
-        SpecSync (a re-sync reads with no push before it)."""
+    def sent(self) -> Sent | None:
+        """What the servers send a worker (`runtime.mpi_sent`), for a round policy (a worker reads right after each
+        push; no read without one): the first version >= its `least_version` once its push was dealt with (read your
+        own writes), or, where the policy lets a worker's next round start before its own push lands (SSP, bound
+        >= 1), every version as it is published. None where workers pull: stream policies (each update sent to
+        every worker would be n times the traffic) and SpecSync (a re-sync reads with no push before it)."""
         if not self.rounds or self.speculation is not None or self.transmit is not None:
             return None
-        return self.least_version
+        # SSP's bound s: while the server waits on a worker it publishes at most s + 1 versions past the one that
+        # worker last pushed from (round c waits for its push; that push's version was >= c - s), so this many
+        # deliveries ahead never hold back a worker the rounds wait on.
+        lead = self.max_lead or 0
+        return Sent(self.least_version, streams=bool(lead), ahead=lead + 1)
 
     def may_start(self, clock: int, version: int) -> bool:
         """Whether a worker may compute the gradient of round `clock` on parameters at server `version`."""

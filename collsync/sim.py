@@ -33,11 +33,12 @@ from collsync.loops import GradFn, Worker
 from collsync.margin import Margin, RoundTimes, check_margin
 from collsync.policy import SyncPolicy
 from collsync.server import Server
-from collsync.specsync import NOTIFY_BYTES, RESYNC_BYTES, Scheduler, SpecWorker
+from collsync.specsync import Scheduler, SpecWorker
 from collsync.trace import Trace
 from collsync.types import Arrival, Flat
 
-_PUSH, _TIMEOUT, _WAKE, _TIMER, _PULL = 0, 1, 2, 3, 4  # _TIMER: SpecSync's scheduler; _PULL: naive waiting
+_PUSH, _TIMEOUT, _WAKE, _TIMER, _PULL, _FREE = 0, 1, 2, 3, 4, 5  # _TIMER: SpecSync's scheduler; _PULL: naive waiting
+# _FREE: a streaming policy's worker done computing while its push is still on its way (`policy.Sent.streams`)
 
 
 def backup_rounds(policy: SyncPolicy) -> bool:
@@ -87,6 +88,7 @@ class Simulator:
         # SpecSync (set up by `run` or `load_state_dict` when the policy speculates or waits).
         self.scheduler: Scheduler | None = None
         self._current: list[list[float] | None] = [None] * workers  # computing: [start time, push event's seq]
+        self._streams = False  # the policy streams its versions (`policy.Sent`): set by `run`
         self._spec = [SpecWorker() for _ in range(workers)]  # each worker's side of abort and restart
         self._cancelled: set[int] = set()  # seqs of the push events of aborted gradients
         self._pull_at = [0.0] * workers  # naive waiting: no pull before this time
@@ -96,10 +98,11 @@ class Simulator:
         heapq.heappush(self._heap, (t, self._seq, kind, worker, payload))
         self._seq += 1
 
-    def _compute_time(self, worker: int, index: int) -> float:
+    def _compute_time(self, worker: int, index: int) -> tuple[float, float]:
+        """The gradient's compute time and its push's message delay."""
         if self.sampler is None:
-            return 1.0
-        return float(self.sampler.compute_time(worker, index) + self.sampler.message_delay(worker, index))
+            return 1.0, 0.0
+        return float(self.sampler.compute_time(worker, index)), float(self.sampler.message_delay(worker, index))
 
     def run(
         self,
@@ -118,6 +121,8 @@ class Simulator:
         if server.trace is not self.trace:
             raise ValueError("runtime: build the Server with trace=simulator.trace so events carry simulated time")
         self._server, self._grads = server, grads
+        sent = server.policy.sent()
+        self._streams = sent is not None and sent.streams
         self._backup_rounds(server)
         if not self._workers:
             self._speculate(server.policy)
@@ -145,6 +150,10 @@ class Simulator:
                 continue
             if kind == _PULL:
                 self._deferred.discard(w)
+                self._try_start(w)
+                continue
+            if kind == _FREE:
+                self._current[w] = None
                 self._try_start(w)
                 continue
             if kind == _PUSH and t < self._busy_until:
@@ -254,7 +263,12 @@ class Simulator:
         arrival = worker.arrival(self._grads(params, shard, index))
         self._current[w] = [self.now, self._seq]
         self._spec[w].start(worker.version)
-        self._schedule(self.now + self._compute_time(w, index), _PUSH, w, arrival)
+        compute, delay = self._compute_time(w, index)
+        self._schedule(self.now + compute + delay, _PUSH, w, arrival)
+        if delay > 0 and self._streams:
+            # Its next round may start on a version its bound allows before this push lands, as the servers' MPI
+            # front sends every version as it is published (`runtime.mpi_sent`).
+            self._schedule(self.now + compute, _FREE, w, None)
 
     def _speculate(self, policy: SyncPolicy) -> None:
         """A scheduler for a policy that speculates or waits (SpecSync), none otherwise."""
@@ -290,32 +304,6 @@ class Simulator:
             "aborts": sum(spec.aborts for spec in self._spec),
             "wasted_s": math.fsum(spec.wasted_s for spec in self._spec),
             "resyncs_ignored": sum(spec.ignored for spec in self._spec),
-        }
-
-    def specsync_summary(self, numel: int, itemsize: int = 4) -> dict[str, Any]:
-        """SpecSync's counts and the paper's Fig. 13 breakdown of bytes moved: pushes and pulls (as without
-        SpecSync), the re-sync pulls, and the notify / re-sync messages. Empty when the policy does not speculate."""
-        if self.scheduler is None:
-            return {}
-        starts = self.trace.of("start")
-        pushes = sum(1 for e in self.trace.events if e["ev"] == "push")
-        restarts = sum(1 for e in starts if e.get("restart"))
-        sched = self.scheduler
-        return {
-            "specsync": {
-                **self.spec_stats,
-                "notifies": sched.notifies,
-                "resyncs": sched.resyncs,
-                "abort_time": sched.abort_time,
-                "abort_rate": sched.abort_rate,
-                "tunings": len(sched.tunings),
-                "bytes": {
-                    "push": pushes * numel * itemsize,
-                    "pull": (len(starts) - restarts) * numel * itemsize,
-                    "resync_pull": restarts * numel * itemsize,
-                    "notify": sched.notifies * NOTIFY_BYTES + sched.resyncs * RESYNC_BYTES,
-                },
-            }
         }
 
     def state_dict(self) -> dict[str, Any]:

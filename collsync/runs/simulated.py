@@ -20,6 +20,7 @@ from collsync.rundir import write_run
 from collsync.runs.parts import Parts, check_fit, keep_on_failure, make_server, progress
 from collsync.runs.resume import keeper, restore, resumed, state
 from collsync.sim import Simulator, backup_rounds
+from collsync.sim_specsync import specsync_summary
 
 
 def run_simulated(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def run_simulated(parts: Parts, flat: FlatModel, out_dir: Path) -> dict[str, Any
         spent = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    extra = sim.specsync_summary(flat.numel, flat.params.element_size())  # SpecSync's counts and bytes, if any
+    extra = specsync_summary(sim, flat.numel, flat.params.element_size())  # SpecSync's counts and bytes, if any
     gradients = len(sim.trace.of("start")) - computed
     extra["sim_cost"] = sim_cost(spent - aside.seconds, aside.seconds, server.version - first, gradients)
     return write_run(out_dir, sim.trace, parts.policy, server, parts.config, extra=extra, up_to_all=wide)

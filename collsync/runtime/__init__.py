@@ -76,6 +76,11 @@ class ServingMailbox(Mailbox, Protocol):
         """Where this worker runs: its rank and host, where known (a lost worker's trace event records them)."""
         ...
 
+    def lose(self, worker: int) -> None:
+        """The server lost this worker (`Server.lose`): send it nothing more but the end (a transport that sends
+        versions unasked would otherwise fill its buffers with ones nobody receives)."""
+        ...
+
 
 class Collective(Protocol):
     """All-rank averaging for the serverless full-sync path."""

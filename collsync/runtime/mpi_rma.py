@@ -96,7 +96,9 @@ class WindowMailbox(ServedWindow):
         versions only grow, so the newer one is ready too). With server-sent parameters, the first read and each
         read after a push look at the delivery instead (no round trip); `window`: the window all the same."""
         buf = out.detach().numpy()
-        if self.inbox is not None and not window and (self._sent or not self._read_once):
+        # Streaming, every read looks at the deliveries (each publish comes; the last is `done`, which must be taken
+        # from its message, not left in MPI's queues at the end).
+        if self.inbox is not None and not window and (self._sent or not self._read_once or self.outbox_streams):
             return self._try_inbox(buf, ready, fetch)
         self._read_once = True
         torn = False  # `out` holds a copy torn by a publish: retry until it is clean, never hand it back as is
@@ -139,24 +141,30 @@ class WindowMailbox(ServedWindow):
         return full >= self._posts if self.inbox is not None else full == 0
 
     def _try_inbox(self, buf: np.ndarray, ready: Callable[[Stamp], bool], fetch: bool) -> Stamp | None:
-        """The delivery that follows our last push, if it came (a local test); a quiet server's header is looked at
-        once a second, for `check_alive`. A delivery not `ready` (never, where the server's bound is the policy's)
-        sends the next reads to the window."""
+        """The newest delivery, if one came (a local test) and is `ready`; a quiet server's header is looked at once
+        a second, for `check_alive`. Reading its own writes, the delivery that follows this worker's last push;
+        streaming (`policy.Sent.streams`), the first version the policy lets it compute on, whether or not its own
+        last push has landed (every publish is delivered, so one not ready is followed by a newer one)."""
         assert self.inbox is not None
         self.answered = now = time.monotonic()  # not blocked in MPI: the watchdog has nothing to see
-        stamp = self.inbox.take(self._posts)
+        streams = self.outbox_streams
+        stamp = self.inbox.take(None if streams else self._posts)
         if stamp is None:
-            if now - self._heard[1] >= 1.0:
-                self._saw(int(self._load_header()[0]))
-            return None
+            # Streaming (SSP), the version already held may be one the next round may use.
+            last = self.inbox.last if streams else None
+            if last is None or last.done or not ready(last):
+                if now - self._heard[1] >= 1.0:
+                    self._saw(int(self._load_header()[0]))
+                return None
+            stamp = last
         self._heard = (-1, now)
         self._read_once = True
         if stamp.done:
             self._store(self._slot(self.worker) + 3, FINISHED)  # finished: close() stops waiting for us
             return stamp
-        self._sent, self._free = False, True
         if not ready(stamp):
             return None
+        self._sent, self._free = False, True
         if fetch:
             buf[:] = self.inbox.data
             self.bytes_fetched += buf.nbytes
@@ -193,7 +201,8 @@ class WindowMailbox(ServedWindow):
         completed."""
         slot = self._slot(self.worker)
         self._backoff.reset()
-        while not self._free and not self._freed(self._load(slot)):
+        # A push by message need not wait for the last one to be dealt with: MPI queues it in order at the server.
+        while self.inbox is None and not self._free and not self._freed(self._load(slot)):
             self._saw(int(self._load_header()[0]))
             self.check_alive()
             self._backoff.wait()

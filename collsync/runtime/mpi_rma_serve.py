@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, cast
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+    from collsync.policy import Sent
+
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,9 +35,9 @@ FINISHED, AWAY = 1, 2
 class ServedWindow(Windows):
     """Collective constructor over `comm`: `server_rank` hosts the windows; `workers` lists the worker ranks in
     worker order (default: every other rank). Ranks that are neither (other shards' servers) expose nothing and
-    may only `snapshot` the published parameters. `sends` (a round policy's `SyncPolicy.least_version`, given on
-    every rank alike): the server sends each worker the version it waits for (`runtime.mpi_sent`), and a
-    push is a message; None: workers poll and Get, and push by `Put` and a flag word."""
+    may only `snapshot` the published parameters. `sends` (a round policy's `SyncPolicy.sent()`, given on every
+    rank alike): the server sends each worker the versions it reads (`runtime.mpi_sent`), and a push is a message;
+    None: workers poll and Get, and push by `Put` and a flag word."""
 
     def __init__(
         self,
@@ -45,7 +47,7 @@ class ServedWindow(Windows):
         server_rank: int = 0,
         workers: Sequence[int] | None = None,
         dtype: torch.dtype = torch.float32,
-        sends: Callable[[int], int] | None = None,
+        sends: Sent | None = None,
     ) -> None:
         from mpi4py import MPI  # lazily: collsync imports without an MPI library
 
@@ -87,6 +89,7 @@ class ServedWindow(Windows):
         # earlier mailbox left unreceived (a lost worker's push), is matched with them (`mpi_channel`).
         self._msgs = Channel(comm, tags=TAGS) if sends is not None else None
         self.outbox: Outbox | None = None
+        self.outbox_streams = sends is not None and sends.streams  # every rank alike: see `policy.Sent`
         self.inbox: Inbox | None = None
         if self._msgs is not None and sends is not None:
             if host:
@@ -206,7 +209,7 @@ class ServedWindow(Windows):
 
     def _free_slot(self, w: int) -> None:
         """The server dealt with worker w's push: its slot's word says so (0, or with server-sent parameters the
-        pushes dealt with), and it is owed the version it waits for."""
+        pushes dealt with), and reading its own writes it is owed the version it waits for."""
         if self.outbox is None:
             self._store(self._slot(w), 0)
             return
@@ -261,6 +264,12 @@ class ServedWindow(Windows):
         if self.outbox is not None:
             self.outbox.publish(buf, stamp)
         self._release()
+
+    def lose(self, worker: int) -> None:
+        """Server: the server lost this worker (`Server.lose`): with server-sent parameters it is sent no version
+        more, only `done` (`mpi_sent.Outbox.mute`); pushes it still sends are taken as before (and dropped)."""
+        if self.outbox is not None:
+            self.outbox.mute(worker)
 
     def locate(self, worker: int) -> tuple[int | None, str | None]:
         """Server: this worker's rank (as the launcher numbers it: `placement.named_rank`) and host (None where the

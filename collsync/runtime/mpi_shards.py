@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+    from collsync.policy import Sent
+
 import math
 import socket
 import time
@@ -56,7 +58,7 @@ def open_shards(
     numel: int,
     servers: int,
     dtype: torch.dtype = torch.float32,
-    sends: Callable[[int], int] | None = None,
+    sends: Sent | None = None,
 ) -> list[WindowMailbox]:
     """Collective over `comm`: one mailbox per shard, shard j hosted on rank j, workers = ranks servers.. .
     `sends`: server-sent parameters (`WindowMailbox`; the same on every rank)."""
@@ -226,7 +228,7 @@ class Shards:
         numel: int,
         servers: int,
         dtype: torch.dtype = torch.float32,
-        sends: Callable[[int], int] | None = None,
+        sends: Sent | None = None,
     ) -> None:
         self.world, self.servers = world, servers
         self.bounds = shard_bounds(numel, servers)

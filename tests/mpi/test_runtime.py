@@ -200,6 +200,98 @@ def test_a_round_through_the_windows_is_four_round_trips_or_none(comm, sent):
                 assert all(c.ops["Isend"] == 1 and c.remote_ops == 1 for c in pushes), [c.ops for c in pushes]
 
 
+@pytest.mark.parametrize("name", ["ssp", "bsp"])
+def test_an_ssp_worker_reads_its_next_version_before_its_push_lands(comm, name):
+    """Issue 33, item 3: under SSP (bound 1) the servers send every version as it is published (`policy.Sent.
+    streams`), so a worker that pushed round 0 computes round 1 on the version it holds while the server has not
+    even taken the push (here: held in a barrier); under BSP it reads its own writes and must wait for the push."""
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    policy = ssp(1) if name == "ssp" else bsp()
+    numel, workers = 6, comm.Get_size() - 1
+    with WindowMailbox(comm, numel, dtype=torch.float64, sends=policy.sent()) as box:
+        if box.is_server:
+            box.publish(torch.zeros(numel, dtype=torch.float64), Stamp(0, False))
+            comm.Barrier()  # every worker pushed round 0 and tried its next read; none of the pushes was taken
+            taken = [box.recv(timeout=30.0) for _ in range(workers)]
+            assert all(a is not None and a.clock == 0 for a in taken), taken
+            box.publish(torch.ones(numel, dtype=torch.float64), Stamp(1, True))
+            box.close(timeout=30.0)
+        else:
+            worker, params = Worker(box.worker, policy), torch.empty(numel, dtype=torch.float64)
+            assert pull(worker, box, params).version == 0
+            push(worker, box, torch.ones(numel, dtype=torch.float64), pull_next=True)
+            stamp = box.try_read(params, worker.ready)
+            if name == "ssp":
+                assert stamp is not None and stamp.version == 0 and worker.ready(stamp), stamp
+                worker.begin(stamp)  # round 1 on version 0; its next round needs version 1
+            else:
+                assert stamp is None, stamp  # round 1 needs version 1: the push first
+            comm.Barrier()
+            assert pull(worker, box, params).done
+
+
+def test_a_streaming_worker_is_sent_few_versions_it_has_not_received_and_a_lost_one_only_done(comm):
+    """SSP streams every version, but a small delivery's send completes once MPI buffered it, received or not: one
+    delivery each publish to a worker that stopped took all of the server's shared-memory cells (MPICH: 64), and
+    then no send to any worker went out (tests/integration/test_torch_lost.py [ssp] stalled at round 54). A worker
+    is sent at most `ahead` deliveries beyond those its last push says it received, and one the server lost is
+    sent `done` only; `done` still reaches every worker."""
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    policy = ssp(3)
+    sent = policy.sent()
+    assert sent is not None and sent.streams and sent.ahead == 4
+    numel, workers = 6, comm.Get_size() - 1
+    counts: list[list[int]] = []
+    left: list[Arrival] | None = None
+    newest = -1
+    with WindowMailbox(comm, numel, dtype=torch.float64, sends=sent) as box:
+        if box.is_server:
+            out = box.outbox
+            assert out is not None
+
+            def publish(version: int, done: bool = False) -> None:
+                box.publish(torch.full((numel,), float(version), dtype=torch.float64), Stamp(version, done))
+                end = time.monotonic() + 30.0
+                while out.flying and time.monotonic() < end:  # every send that can complete has
+                    out.pump()
+                    time.sleep(0.001)
+
+            publish(0)
+            comm.Barrier()  # every worker took version 0 and computes (receives nothing more) until the next barrier
+            for version in range(1, 12):
+                publish(version)
+            counts.append(list(out.deliveries))
+            comm.Barrier()
+            box.lose(0)
+            # Each push says its worker received one delivery: one more may go, the newest (11, or 12 to the worker
+            # whose push was taken last, freed only at the next publish).
+            for _ in range(workers):
+                box.recv(timeout=30.0)
+            publish(12)
+            counts.append(list(out.deliveries))
+            publish(13, done=True)
+            left = box.close(timeout=30.0)
+        else:
+            worker, params = Worker(box.worker, policy), torch.empty(numel, dtype=torch.float64)
+            pull(worker, box, params)
+            comm.Barrier()
+            comm.Barrier()
+            push(worker, box, torch.ones(numel, dtype=torch.float64))
+            while not (stamp := box.read(params, lambda s: True)).done:
+                newest = max(newest, stamp.version)
+    # Asserted after the collective frees: a failure here must fail the test, not leave the other ranks waiting.
+    if box.is_server:
+        assert counts[0] == [sent.ahead] * workers, counts  # versions 0-3, not 0-11
+        assert counts[1] == [sent.ahead] + [sent.ahead + 1] * (workers - 1), counts
+        assert left == [], left
+    elif box.worker == 0:
+        assert newest == sent.ahead - 1, newest  # the lost worker: versions 0-3, then `done`
+    else:
+        assert newest in (11, 12), newest
+
+
 def test_close_names_a_worker_that_never_stops(comm):
     if comm.Get_size() < 2:
         pytest.skip("a mailbox needs a server and at least one worker")

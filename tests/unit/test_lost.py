@@ -116,6 +116,7 @@ class Threads:
         self.lock = threading.Lock()
         self.arrivals: queue.Queue[Arrival] = queue.Queue()
         self.left: set[int] = set()
+        self.muted: set[int] = set()  # the workers the server told us it lost (`lose`)
         self.stop = [threading.Event() for _ in range(workers)]
         self.release = threading.Event()
         self.workers = workers
@@ -145,6 +146,9 @@ class Threads:
 
     def locate(self, worker: int) -> tuple[int | None, str | None]:
         return worker + 1, "here"
+
+    def lose(self, worker: int) -> None:
+        self.muted.add(worker)
 
     def close(self, timeout: float | None = None, lost: Sequence[int] = ()) -> list[Arrival]:
         end = time.monotonic() + (timeout or 0.0)
@@ -300,6 +304,7 @@ def test_a_worker_that_waited_on_the_server_is_not_silent_when_its_round_is_appl
     heard = [now - 6.0] * 3
     assert lose_silent(server, box, heard, now)
     assert server.lost == [1] and server.version >= 1
+    assert box.muted == {1}  # the mailbox is told: it sends the lost worker nothing more but the end
     assert not lose_silent(server, box, heard, now + 0.1)  # nobody else silent yet
     assert server.lost == [1]
     with pytest.raises(TimeoutError, match="round 1 got no gradient"):  # both silent for the deadline: none left
