@@ -95,6 +95,8 @@ class WindowMailbox(ServedWindow):
         stamp, with the parameters copied into `out` (a copy torn by a concurrent publish is retried until clean:
         versions only grow, so the newer one is ready too). With server-sent parameters, the first read and each
         read after a push look at the delivery instead (no round trip); `window`: the window all the same."""
+        if self._finished is not None:
+            return self._finished
         buf = out.detach().numpy()
         # Streaming, every read looks at the deliveries (each publish comes; the last is `done`, which must be taken
         # from its message, not left in MPI's queues at the end).
@@ -112,9 +114,7 @@ class WindowMailbox(ServedWindow):
                 return None
             stamp = Stamp(version, bool(done), as_float(signal))
             if stamp.done:
-                if self.worker >= 0:
-                    self._store(self._slot(self.worker) + 3, FINISHED)  # finished: close() stops waiting for us
-                return stamp
+                return self._finish(stamp)
             if self._sent:
                 # Read your own writes, as a parameter server answers a push with the parameters it produced
                 # (001_... Alg. 1-2) and as the simulator does: wait until the server dealt with our last push.
@@ -160,14 +160,22 @@ class WindowMailbox(ServedWindow):
         self._heard = (-1, now)
         self._read_once = True
         if stamp.done:
-            self._store(self._slot(self.worker) + 3, FINISHED)  # finished: close() stops waiting for us
-            return stamp
+            return self._finish(stamp)
         if not ready(stamp):
             return None
         self._sent, self._free = False, True
         if fetch:
             buf[:] = self.inbox.data
             self.bytes_fetched += buf.nbytes
+        return stamp
+
+    def _finish(self, stamp: Stamp) -> Stamp:
+        """Worker: training is over on this server. FINISHED tells `close` to stop waiting for us; from now on
+        every read returns this stamp, whatever path it takes: a read of the window (a partial pull's stale one
+        included) can see `done` first, and `close` may then end before `done` went out as a delivery."""
+        if self.worker >= 0:
+            self._store(self._slot(self.worker) + 3, FINISHED)
+            self._finished = stamp
         return stamp
 
     def snapshot(self, out: Flat) -> Stamp:

@@ -98,6 +98,9 @@ class ServedWindow(Windows):
                 self.inbox = Inbox(self._msgs, server_rank, numel, self._np, self._mpi_t)
         self._posts = 0  # worker: pushes posted (a delivery counting fewer predates the last one)
         self._read_once = False  # worker: a first read done (the server owes every worker the first publish)
+        # Worker: the `done` stamp once any read saw it. Seeing it stores FINISHED, after which the server's `close`
+        # may end before its `done` delivery went out, so no later read may wait for that delivery.
+        self._finished: Stamp | None = None
         self._clocks = [0] * self.workers  # server: the round of each worker's push last taken
         self._hdr = np.zeros(_HDR, dtype=np.int64)
         self._pair = np.zeros(2, dtype=np.int64)  # a slot's (version, clock)

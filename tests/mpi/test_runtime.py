@@ -231,6 +231,41 @@ def test_an_ssp_worker_reads_its_next_version_before_its_push_lands(comm, name):
             assert pull(worker, box, params).done
 
 
+def test_a_worker_that_saw_done_in_the_window_does_not_wait_for_its_delivery(comm):
+    """PSP's partial pull reads a slow shard's window without waiting (`ShardedMailbox.read`); seeing `done` there
+    stores FINISHED, so that shard's `close` may end before its `done` delivery went out. The worker's next read of
+    that shard, after a push, looked only at its inbox and waited for ever (tests/mpi/test_shards.py's partial pull
+    hung under load). Here no `done` is delivered at all: every later read must still return it."""
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    policy = bsp()
+    numel = 6
+    seen: list[Stamp | None] = []
+    with WindowMailbox(comm, numel, dtype=torch.float64, sends=policy.sent()) as box:
+        if box.is_server:
+            assert box.outbox is not None
+            box.publish(torch.zeros(numel, dtype=torch.float64), Stamp(0, False))
+            comm.Barrier()  # every worker took version 0 and pushed
+            box.outbox.live.clear()  # as after a `close` that ended first: `done` is sent to no worker
+            box.publish(torch.ones(numel, dtype=torch.float64), Stamp(1, True))
+            comm.Barrier()
+            box.close(timeout=30.0)
+        else:
+            worker, params = Worker(box.worker, policy), torch.empty(numel, dtype=torch.float64)
+            assert pull(worker, box, params).version == 0
+            push(worker, box, torch.ones(numel, dtype=torch.float64), pull_next=True)
+            comm.Barrier()
+            comm.Barrier()
+            seen.append(box.try_read(params, lambda s: True, window=True))
+            end = time.monotonic() + 5.0
+            stamp = None
+            while stamp is None and time.monotonic() < end:  # a bounded wait: a failure must not hang the others
+                stamp = box.try_read(params, worker.ready)
+            seen.append(stamp)
+    if not box.is_server:
+        assert all(s is not None and s.done and s.version == 1 for s in seen), seen
+
+
 def test_a_streaming_worker_is_sent_few_versions_it_has_not_received_and_a_lost_one_only_done(comm):
     """SSP streams every version, but a small delivery's send completes once MPI buffered it, received or not: one
     delivery each publish to a worker that stopped took all of the server's shared-memory cells (MPICH: 64), and
