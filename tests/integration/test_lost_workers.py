@@ -165,9 +165,12 @@ def test_a_worker_stopped_near_the_end_is_lost_at_a_short_deadline_after_the_run
     """Stopped a third of the run before its end (training ends a few seconds later, before the deadline), the
     worker is still out when training ends: the run folder is written naming it (`waiting_on`), the worker is
     lost at the deadline, the folder written again with `lost`, and the job ends by itself, exit 0. (A worker
-    stopped after it left, inside the final teardown, is another case: MPI_Finalize waits for it.)"""
+    stopped after it left, inside the final teardown, is another case: MPI_Finalize waits for it.) Paced at 10 ms
+    a gradient: unpaced, an idle machine trained 900 updates/s, the last 1,000 ended before the checkpoint at 2,000
+    was seen, and the worker was stopped after it had left (CI: no `lost`, the job ended by the grace's abort)."""
     steps, deadline = 3000, 20
-    overrides = ["sync=async", "optimizer=sgd", f"sync.deadline={deadline}", "checkpoint.every=50"]
+    paced = ["stragglers=none", "runtime.inject_stragglers=true", "runtime.time_scale=0.01"]  # <= 300 updates/s
+    overrides = ["sync=async", "optimizer=sgd", f"sync.deadline={deadline}", "checkpoint.every=50", *paced]
     hit = run_hitting(_launcher(MPICH), tmp_path, 4, overrides, steps, [(2000, 2, signal.SIGSTOP)], BOUND)
     _finished_without(hit, [2], steps)
     assert "waiting_on" not in hit.summary
