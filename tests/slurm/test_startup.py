@@ -57,11 +57,14 @@ def test_a_rank_that_never_starts_ends_the_step_within_the_deadline(submit_dir, 
     assert took < BOUND_S, (took, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("collsync-train: ")]
-    assert 1 <= len(lines) <= 3, proc.stderr[-3000:]
+    # Slurm sends SIGCONT before it ends a step's tasks: the stopped rank 2 may run on long enough to arm its own
+    # watchdog, which then says it ended inside the start-up (CI, --kill-on-bad-exit). It never says it waited.
+    stopped = [line for line in lines if "rank 2 of 4" in line]
+    assert 1 <= len(lines) - len(stopped) <= 3, proc.stderr[-3000:]
+    assert all(DIED in line for line in stopped), stopped
     for line in lines:
         assert (SAYS in line and "(PMI_SIZE=4)" in line) or DIED in line, line
         assert f" of 4 on {socket.gethostname()}: " in line, line
-        assert "rank 2 of 4" not in line, line
     if not kill_on_bad_exit:
         assert "CANCELLED" in proc.stderr, proc.stderr[-3000:]  # the watchdog cancelled the step
     assert not run.exists()
