@@ -10,7 +10,8 @@ the same stragglers injected on every side; time to Horovod's own final accuracy
 
 Sides: `horovod` (the example with its import line switched to `horovod.torch`; where Horovod is not installed the
 side is left out, said so in the JSON, and collsync's bsp is the reference instead), and collsync's `bsp`, `backup`
-(b = 1, margin "auto"), `async`, `psp`, `ssp`, `specsync`, each with `--workers` workers (the server modes launch
+(b = 1, margin "auto"), `async`, `psp`, `ssp`, `specsync` (and, asked for by name, `ssp-stream`: ssp with
+`stream=True`), each with `--workers` workers (the server modes launch
 one rank more, the server). Scenarios (examples/mnist.py `--straggle`): `none`; `heavy`, 10% of batches 0.2 s
 longer; `slow`, the last worker computing 3x as long; and, asked for by name, `slow-host`: no injected delay, the
 ranks across the cluster in one box (scripts/cluster.py; `bash scripts/cluster_up.sh` first) with the last worker
@@ -50,8 +51,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 EXAMPLE = ROOT / "examples" / "mnist.py"
 BIN = Path(sys.executable).parent
-SIDES = ["horovod", "bsp", "backup", "async", "psp", "ssp", "specsync"]
-SERVER_SIDES = {"async", "psp", "ssp", "specsync"}
+SIDES = ["horovod", "bsp", "backup", "async", "psp", "ssp", "ssp-stream", "specsync"]
+SERVER_SIDES = {"async", "psp", "ssp", "ssp-stream", "specsync"}
+DEFAULT_SIDES = [s for s in SIDES if s != "ssp-stream"]  # ssp's stream=True only when asked for by name
 SCENARIOS = ["none", "heavy", "slow"]
 NAMED = ["slow-host", "shared-core"]  # run only when asked for by name (each needs root)
 CGROUP = "collsync-shared-core"  # the cgroup the shared-core worker runs in (made and removed by this script)
@@ -83,7 +85,7 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
     """One run of the example; its epochs (seconds, worker 0's accuracy), final accuracy and drops."""
     ranks = args.workers + (1 if side in SERVER_SIDES else 0)
     script = horovod if side == "horovod" else EXAMPLE
-    sync = "bsp" if side == "horovod" else side
+    sync = "bsp" if side == "horovod" else side.removesuffix("-stream")
     straggle = "none" if scenario in NAMED else scenario
     command = [
         sys.executable,
@@ -97,6 +99,7 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
     ]
     command += ["--straggle", straggle, "--model", args.model, "--every-epoch", "--seed", str(repeat)]
     command += ["--data", args.data] + (["--limit", str(args.limit)] if args.limit else [])
+    command += ["--stream"] if side == "ssp-stream" else []
     argv = [str(BIN / "mpiexec"), "-n", str(ranks), *command]
     if scenario == "slow-host":
         argv = [str(BOX / "bin" / "mpiexec"), "-hosts", box_hosts(ranks), *argv[1:]]
@@ -289,7 +292,7 @@ def main() -> None:
     parser.add_argument(
         "--core-share", type=float, default=0.25, help="shared-core: the share of one core the last worker gets"
     )
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=SIDES)
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=DEFAULT_SIDES)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take")
     parser.add_argument(
         "--tiny", action="store_true", help="smoke run: 1 repeat, 1 epoch, 2 workers, heavy, horovod and backup"

@@ -110,8 +110,11 @@ class SyncPolicy:
     push_fraction: float | None = None
     speculation: Speculation | None = None  # SpecSync (004_...): naive waiting, scheduler re-syncs and aborts
     on_lost: str | None = None  # a worker silent for `deadline`: "continue" without it or "stop"; None: `tolerates`
+    stream: bool = False  # SSP: the servers stream every version and a worker need not wait for its push (`sent`)
 
     def __post_init__(self) -> None:
+        if self.stream and not (self.rounds and self.max_lead and self.speculation is None):
+            raise ValueError(f"{self.name}: stream=True needs SSP's rounds with max_lead >= 1")
         if self.backups < 0:
             raise ValueError(f"{self.name}: backups={self.backups} must be >= 0")
         if self.quorum is not None and self.quorum < 1:
@@ -218,8 +221,8 @@ class SyncPolicy:
     def sent(self) -> Sent | None:
         """What the servers send a worker (`runtime.mpi_sent`), for a round policy (a worker reads right after each
         push; no read without one): the first version >= its `least_version` once its push was dealt with (read your
-        own writes), or, where the policy lets a worker's next round start before its own push lands (SSP, bound
-        >= 1), every version as it is published. None where workers pull: stream policies (each update sent to
+        own writes), or, where the policy lets a worker's next round start before its own push lands (SSP with
+        `stream`), every version as it is published. None where workers pull: stream policies (each update sent to
         every worker would be n times the traffic) and SpecSync (a re-sync reads with no push before it)."""
         if not self.rounds or self.speculation is not None or self.transmit is not None:
             return None
@@ -227,7 +230,7 @@ class SyncPolicy:
         # worker last pushed from (round c waits for its push; that push's version was >= c - s), so this many
         # deliveries ahead never hold back a worker the rounds wait on.
         lead = self.max_lead or 0
-        return Sent(self.least_version, streams=bool(lead), ahead=lead + 1)
+        return Sent(self.least_version, streams=self.stream, ahead=lead + 1)
 
     def may_start(self, clock: int, version: int) -> bool:
         """Whether a worker may compute the gradient of round `clock` on parameters at server `version`."""
@@ -298,15 +301,32 @@ def bfasgd(
 
 
 def ssp(
-    max_lead: int = 3, timeout: float | None = None, deadline: float | None = DEADLINE, on_lost: str | None = None
+    max_lead: int = 3,
+    timeout: float | None = None,
+    deadline: float | None = DEADLINE,
+    on_lost: str | None = None,
+    stream: bool = False,
 ) -> SyncPolicy:
     """Stale-synchronous parallel (004_... §II-C): a worker may run at most `max_lead` rounds ahead of the slowest.
 
     With a `timeout`, a round is applied with the gradients that came within `timeout` seconds of its first one,
     so a frozen worker stops counting as the slowest (its late gradients are dropped).
+
+    `stream`: the servers send every version as it is published and a worker computes its next round on the newest
+    one its bound allows, without waiting for its own push to land (`Sent.streams`): push and pull cross, a round
+    trip less a round behind a slow link (digits MLP, a host behind a 5 ms link: 2.37x sooner than Horovod, against
+    0.84x reading its own writes), but every round is then a full `max_lead` stale, also where the fresh version was
+    a moment away: the Fashion-MNIST CNN fell to chance in 3 of 3 runs where it trains without (benchmarks/README.md,
+    "Fashion-MNIST"). Off by default; for networks where a round trip costs more than a round of staleness.
     """
     return SyncPolicy(
-        "ssp", max_lead=max_lead, deadline=deadline, timeout=timeout, quorum=1 if timeout else None, on_lost=on_lost
+        "ssp",
+        max_lead=max_lead,
+        deadline=deadline,
+        timeout=timeout,
+        quorum=1 if timeout else None,
+        on_lost=on_lost,
+        stream=stream,
     )
 
 

@@ -99,6 +99,11 @@ def main() -> None:
     parser.add_argument(
         "--pushes", type=int, default=None, help="--sync psp: c, the gradients a round takes (default: psp's fraction)"
     )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="--sync ssp: stream=True (every version sent as published; a worker need not wait for its own push)",
+    )
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02, help="per worker; scaled by size() as under Horovod")
@@ -144,7 +149,8 @@ def main() -> None:
         margin = None if args.margin == "none" else args.margin if args.margin == "auto" else float(args.margin)
         backup = {"backups": args.backups, "margin": margin}
         partial = {"pushes": args.pushes} if args.sync == "psp" and args.pushes is not None else {}
-        options = {"sync": args.sync, **(backup if args.sync == "backup" else {}), **partial}
+        stream = {"stream": True} if args.sync == "ssp" and args.stream else {}
+        options = {"sync": args.sync, **(backup if args.sync == "backup" else {}), **partial, **stream}
         hvd.init(sync=args.sync)  # a parameter-server mode reserves rank 0 as the server here
     else:
         hvd.init()

@@ -202,12 +202,12 @@ def test_a_round_through_the_windows_is_four_round_trips_or_none(comm, sent):
 
 @pytest.mark.parametrize("name", ["ssp", "bsp"])
 def test_an_ssp_worker_reads_its_next_version_before_its_push_lands(comm, name):
-    """Issue 33, item 3: under SSP (bound 1) the servers send every version as it is published (`policy.Sent.
-    streams`), so a worker that pushed round 0 computes round 1 on the version it holds while the server has not
-    even taken the push (here: held in a barrier); under BSP it reads its own writes and must wait for the push."""
+    """Issue 33, item 3: under SSP (bound 1, `stream=True`) the servers send every version as it is published
+    (`policy.Sent.streams`), so a worker that pushed round 0 computes round 1 on the version it holds while the server
+    has not even taken the push (here: held in a barrier); under BSP it reads its own writes and must wait for it."""
     if comm.Get_size() < 2:
         pytest.skip("a mailbox needs a server and at least one worker")
-    policy = ssp(1) if name == "ssp" else bsp()
+    policy = ssp(1, stream=True) if name == "ssp" else bsp()
     numel, workers = 6, comm.Get_size() - 1
     with WindowMailbox(comm, numel, dtype=torch.float64, sends=policy.sent()) as box:
         if box.is_server:
@@ -274,7 +274,7 @@ def test_a_streaming_worker_is_sent_few_versions_it_has_not_received_and_a_lost_
     sent `done` only; `done` still reaches every worker."""
     if comm.Get_size() < 2:
         pytest.skip("a mailbox needs a server and at least one worker")
-    policy = ssp(3)
+    policy = ssp(3, stream=True)
     sent = policy.sent()
     assert sent is not None and sent.streams and sent.ahead == 4
     numel, workers = 6, comm.Get_size() - 1

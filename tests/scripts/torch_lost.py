@@ -24,7 +24,9 @@ DEADLINE = 5.0
 def main() -> None:
     sync, stop_rank, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     (out / f"pid-{MPI.COMM_WORLD.Get_rank()}").write_text(str(os.getpid()))  # the test sees each process end
-    hvd.init(sync=hvd.sync_config(sync, deadline=DEADLINE), deadline=DEADLINE)
+    mode, _, variant = sync.partition("-")  # "ssp-stream": ssp with stream=True
+    options = {"stream": True} if variant == "stream" else {}
+    hvd.init(sync=hvd.sync_config(mode, deadline=DEADLINE, **options), deadline=DEADLINE)
     me = hvd.rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
