@@ -174,7 +174,7 @@ class WindowMailbox(ServedWindow):
         every read returns this stamp, whatever path it takes: a read of the window (a partial pull's stale one
         included) can see `done` first, and `close` may then end before `done` went out as a delivery."""
         if self.worker >= 0:
-            self._store(self._slot(self.worker) + 3, FINISHED)
+            self.leave()
             self._finished = stamp
         return stamp
 
