@@ -8,22 +8,21 @@ the same stragglers injected on every side; time to Horovod's own final accuracy
         --scenarios none heavy slow shared-core                          # the Fashion-MNIST table
     .venv/bin/python benchmarks/horovod_stragglers.py --tiny --out /tmp/h.json   # the smoke run
 
-Sides: `horovod` (the example with its import line switched to `horovod.torch`; where Horovod is not installed the
-side is left out, said so in the JSON, and collsync's bsp is the reference instead), and collsync's `bsp`, `backup`
-(b = 1, margin "auto"), `async`, `psp`, `ssp`, `specsync` (and, asked for by name, `ssp-stream`: ssp with
-`stream=True`), each with `--workers` workers (the server modes launch
-one rank more, the server). Scenarios (examples/mnist.py `--straggle`): `none`; `heavy`, 10% of batches 0.2 s
-longer; `slow`, the last worker computing 3x as long; and, asked for by name, `slow-host`: no injected delay, the
-ranks across the cluster in one box (scripts/cluster.py; `bash scripts/cluster_up.sh` first) with the last worker
-alone on node2, whose link gets the `slow-host` model (5 ms each way) for the scenario: straggling made by the
-network, on every side alike; and `shared-core`: no injected delay, the last worker's process held to
+Sides: `horovod` (the example with its import line switched to `horovod.torch`; where Horovod is not installed the side
+is left out, said so in the JSON, and collsync's bsp is the reference instead), and collsync's `bsp`, `backup` (b = 1,
+margin "auto"), `async`, `psp`, `ssp`, `specsync` (and, asked for by name, ssp's variants: `ssp-stream`, never holding
+out for the fresh version, `patience=None`; `ssp-own`, reading its own writes, `stream=False`), each with `--workers`
+workers (the server modes launch one rank more, the server). Scenarios (examples/mnist.py `--straggle`): `none`;
+`heavy`, 10% of batches 0.2 s longer; `slow`, the last worker computing 3x as long; and, asked for by name, `slow-host`:
+no injected delay, the ranks across the cluster in one box (scripts/cluster.py; `bash scripts/cluster_up.sh` first) with
+the last worker alone on node2, whose link gets the `slow-host` model (5 ms each way) for the scenario: straggling made
+by the network, on every side alike; and `shared-core`: no injected delay, the last worker's process held to
 `--core-share` of one core (a CPU quota in its own cgroup, `cpu.cfs_quota_us` or `cpu.max`; root only), as a worker
-whose core is shared with a busy neighbour: its real forward and backward passes take longer, not a sleep. Every
-batch sleeps `--compute` seconds besides (a larger
-model's compute, so that 3x means something), and the delays come from a generator seeded by the repeat and the
-worker: the same on every side. The runs are interleaved (repeat r runs every scenario and side before repeat
-r + 1), each launch is timed by the script itself from the start of training, and the load average is recorded
-before each.
+whose core is shared with a busy neighbour: its real forward and backward passes take longer, not a sleep. Every batch
+sleeps `--compute` seconds besides (a larger model's compute, so that 3x means something), and the delays come from a
+generator seeded by the repeat and the worker: the same on every side. The runs are interleaved (repeat r runs every
+scenario and side before repeat r + 1), each launch is timed by the script itself from the start of training, and the
+load average is recorded before each.
 
 Reported per scenario and side: the final accuracy (the workers' mean test accuracy at the end) as median and
 range; the time to the reference's own final accuracy (the median of the reference's final accuracies in that
@@ -51,9 +50,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 EXAMPLE = ROOT / "examples" / "mnist.py"
 BIN = Path(sys.executable).parent
-SIDES = ["horovod", "bsp", "backup", "async", "psp", "ssp", "ssp-stream", "specsync"]
-SERVER_SIDES = {"async", "psp", "ssp", "ssp-stream", "specsync"}
-DEFAULT_SIDES = [s for s in SIDES if s != "ssp-stream"]  # ssp's stream=True only when asked for by name
+SIDES = ["horovod", "bsp", "backup", "async", "psp", "ssp", "ssp-stream", "ssp-own", "specsync"]
+SERVER_SIDES = {"async", "psp", "ssp", "ssp-stream", "ssp-own", "specsync"}
+# ssp's variants only when asked for by name: ssp-stream never holds out for the fresh version (patience=None),
+# ssp-own reads its own writes (stream=False); plain ssp is its default (streaming, patience 0.5).
+SSP_VARIANTS = {"ssp-stream": "eager", "ssp-own": "off"}
+DEFAULT_SIDES = [s for s in SIDES if s not in SSP_VARIANTS]
 SCENARIOS = ["none", "heavy", "slow"]
 NAMED = ["slow-host", "shared-core"]  # run only when asked for by name (each needs root)
 CGROUP = "collsync-shared-core"  # the cgroup the shared-core worker runs in (made and removed by this script)
@@ -85,7 +87,7 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
     """One run of the example; its epochs (seconds, worker 0's accuracy), final accuracy and drops."""
     ranks = args.workers + (1 if side in SERVER_SIDES else 0)
     script = horovod if side == "horovod" else EXAMPLE
-    sync = "bsp" if side == "horovod" else side.removesuffix("-stream")
+    sync = "bsp" if side == "horovod" else "ssp" if side in SSP_VARIANTS else side
     straggle = "none" if scenario in NAMED else scenario
     command = [
         sys.executable,
@@ -99,7 +101,7 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
     ]
     command += ["--straggle", straggle, "--model", args.model, "--every-epoch", "--seed", str(repeat)]
     command += ["--data", args.data] + (["--limit", str(args.limit)] if args.limit else [])
-    command += ["--stream"] if side == "ssp-stream" else []
+    command += ["--stream", SSP_VARIANTS[side]] if side in SSP_VARIANTS else []
     argv = [str(BIN / "mpiexec"), "-n", str(ranks), *command]
     if scenario == "slow-host":
         argv = [str(BOX / "bin" / "mpiexec"), "-hosts", box_hosts(ranks), *argv[1:]]

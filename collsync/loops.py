@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,11 +61,15 @@ class Worker:
     seed: int = 0
     signal: float = 0.0  # the server's last published `Stamp.signal` (B-FASGD's v)
     fetches: int = 0
+    # The clock `patience` is measured by: wall time under MPI, the simulator's virtual time there.
+    now: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The policy's `Transmit` coin flips (B-FASGD): a private stream per worker, so runs are reproducible and
         # runtimes agree.
         self._rng = random.Random(self.seed * 1_000_003 + self.rank)
+        self._began = 0.0  # when the gradient under way was started (`begin`)
+        self._fresh_by: float | None = None  # until when it holds out for the version its last push makes
 
     def state_dict(self) -> dict[str, Any]:
         """Where this worker is (plain types, for a checkpoint): its round, version, count and coin stream."""
@@ -77,6 +81,8 @@ class Worker:
             "signal": self.signal,
             "fetches": self.fetches,
             "rng": [rng[0], list(rng[1]), rng[2]],
+            "began": self._began,
+            "fresh_by": self._fresh_by,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -84,6 +90,7 @@ class Worker:
         self.signal, self.fetches = float(state["signal"]), int(state["fetches"])
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
+        self._began, self._fresh_by = float(state.get("began", 0.0)), state.get("fresh_by")
 
     def will_fetch(self) -> bool:
         """Fetch at this opportunity? The policy's `transmit` decides (B-FASGD); always without one, and for a
@@ -98,11 +105,30 @@ class Worker:
         return t is None or self.steps == 0 or t.push(self._rng, self.signal)
 
     def ready(self, stamp: Stamp) -> bool:
-        """May this worker start its next gradient on parameters at `stamp`? (SSP bound, BSP barrier.)"""
-        return stamp.done or self.policy.may_start(self.clock + 1, stamp.version)
+        """May this worker start its next gradient on parameters at `stamp`? (SSP bound, BSP barrier; streaming with
+        `patience`, not on an older version than its last push makes until `holds_out` says so.)"""
+        if stamp.done:
+            return True
+        return self.policy.may_start(self.clock + 1, stamp.version) and self.holds_out(stamp) is None
+
+    def holds_out(self, stamp: Stamp) -> float | None:
+        """Until when (on `now`'s clock) this worker waits for a fresher version than `stamp`, or None.
+
+        SSP streaming (`policy.Sent.streams`) lets a worker that pushed round c compute round c + 1 on the version
+        round c - s made, without waiting for its own push to land: a round trip saved behind a slow link, but a
+        round `max_lead` stale also where the version its push completes was a moment away (on one host, where the
+        workers push within a fraction of a round of each other). With `policy.patience` p it holds out for that
+        version (>= c + 1) at most p times the seconds its gradient took, then takes the newest its bound allows:
+        behind a slow link the wait is a fraction of a round, never a round trip, and on one host most rounds are
+        fresh. Staleness costs more than waiting (001_..., 003_...): what a gradient steps shrinks as 1 / staleness.
+        """
+        if self._fresh_by is None or stamp.version > self.clock or self.now() >= self._fresh_by:
+            return None
+        return self._fresh_by
 
     def begin(self, stamp: Stamp, fetched: bool = True) -> int:
         """Start a gradient on parameters at `stamp` (or, a fetch skipped, on those it had); returns its round."""
+        self._began, self._fresh_by = self.now(), None
         self.signal = stamp.signal
         if fetched:
             self.clock = self.policy.next_clock(self.clock, stamp.version)
@@ -119,8 +145,14 @@ class Worker:
         self.clock = max(self.clock, stamp.version) if self.policy.rounds else stamp.version
         return self.clock
 
-    def arrival(self, grad: Flat) -> Arrival:
-        """Wrap the finished gradient for the server (without it, when B-FASGD skips the push)."""
+    def arrival(self, grad: Flat, done_at: float | None = None) -> Arrival:
+        """Wrap the finished gradient for the server (without it, when B-FASGD skips the push). `done_at`: when it
+        is finished, if not now (the simulator wraps it when it starts computing); the policy's `patience` counts
+        from there (`holds_out`)."""
+        patience = self.policy.patience
+        if patience is not None:
+            end = self.now() if done_at is None else done_at
+            self._fresh_by = end + patience * max(0.0, end - self._began)
         push = self.will_push()
         self.steps += 1
         return Arrival(self.rank, self.version, grad if push else None, self.clock)

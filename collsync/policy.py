@@ -111,10 +111,15 @@ class SyncPolicy:
     speculation: Speculation | None = None  # SpecSync (004_...): naive waiting, scheduler re-syncs and aborts
     on_lost: str | None = None  # a worker silent for `deadline`: "continue" without it or "stop"; None: `tolerates`
     stream: bool = False  # SSP: the servers stream every version and a worker need not wait for its push (`sent`)
+    # Streaming: how long a worker that pushed round c holds out for the version that round makes, as a fraction of
+    # the seconds its gradient took (`loops.Worker.ready`); None: not at all (the newest version its bound allows).
+    patience: float | None = None
 
     def __post_init__(self) -> None:
         if self.stream and not (self.rounds and self.max_lead and self.speculation is None):
             raise ValueError(f"{self.name}: stream=True needs SSP's rounds with max_lead >= 1")
+        if self.patience is not None and not (self.stream and self.patience >= 0):
+            raise ValueError(f"{self.name}: patience={self.patience!r} must be >= 0, and only with stream=True")
         if self.backups < 0:
             raise ValueError(f"{self.name}: backups={self.backups} must be >= 0")
         if self.quorum is not None and self.quorum < 1:
@@ -305,20 +310,26 @@ def ssp(
     timeout: float | None = None,
     deadline: float | None = DEADLINE,
     on_lost: str | None = None,
-    stream: bool = False,
+    stream: bool = True,
+    patience: float | None = 0.5,
 ) -> SyncPolicy:
     """Stale-synchronous parallel (004_... §II-C): a worker may run at most `max_lead` rounds ahead of the slowest.
 
     With a `timeout`, a round is applied with the gradients that came within `timeout` seconds of its first one,
     so a frozen worker stops counting as the slowest (its late gradients are dropped).
 
-    `stream`: the servers send every version as it is published and a worker computes its next round on the newest
-    one its bound allows, without waiting for its own push to land (`Sent.streams`): push and pull cross, a round
-    trip less a round behind a slow link (digits MLP, a host behind a 5 ms link: 2.37x sooner than Horovod, against
-    0.84x reading its own writes), but every round is then a full `max_lead` stale, also where the fresh version was
-    a moment away: on the Fashion-MNIST CNN it ended 4.8 points below Horovod at the median of 3 seeds, one of them
-    at chance, against 1.8 reading its own writes (benchmarks/README.md, "The headline: Fashion-MNIST with the
-    example's CNN"). Off by default; for networks where a round trip costs more than a round of staleness.
+    `stream` (default): the servers send every version as it is published (`Sent.streams`), so a worker that pushed
+    round c need not wait for its own push to land: push and pull cross, a round trip less a round behind a slow
+    link. `patience` p: it first holds out for the version its push makes (round c applied) for at most p times the
+    seconds its gradient took, then computes round c + 1 on the newest version its bound allows
+    (`loops.Worker.holds_out`). On one host the round is mostly complete within that, and the round is fresh; behind
+    a slow link the wait is a fraction of a compute, not a round trip. Measured (benchmarks/README.md, "SSP holds out
+    for the fresh version"): with a host behind a 5 ms link (digits MLP, 5 runs) 1.76x sooner than Horovod, against
+    2.37x with `patience=None` (never wait: every round a full `max_lead` stale) and 0.84x with `stream=False`; on
+    the Fashion-MNIST CNN (3 seeds) +1.5 points against Horovod without stragglers and -0.8 with heavy-tailed ones,
+    where `patience=None` ended -4.8 (one seed at chance) and `stream=False` -1.2 to -1.8. `stream=False`: a worker
+    reads its own writes (the first version its bound allows once the server took its push); `patience` is then
+    unused, as both are at `max_lead=0` (BSP).
     """
     return SyncPolicy(
         "ssp",
@@ -327,7 +338,8 @@ def ssp(
         timeout=timeout,
         quorum=1 if timeout else None,
         on_lost=on_lost,
-        stream=stream,
+        stream=stream and max_lead >= 1,  # bound 0 is BSP: nothing older than the fresh version to compute on
+        patience=patience if stream and max_lead >= 1 else None,
     )
 
 

@@ -94,6 +94,10 @@ class Simulator:
         self._pull_at = [0.0] * workers  # naive waiting: no pull before this time
         self._deferred: set[int] = set()  # workers with a _PULL event pending
 
+    def _clock(self) -> float:
+        """The simulated time (a `Worker`'s clock, for `policy.patience`)."""
+        return self.now
+
     def _schedule(self, t: float, kind: int, worker: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, worker, payload))
         self._seq += 1
@@ -126,7 +130,7 @@ class Simulator:
         self._backup_rounds(server)
         if not self._workers:
             self._speculate(server.policy)
-            self._workers = [Worker(w, server.policy, seed=self.seed) for w in range(self.workers)]
+            self._workers = [Worker(w, server.policy, seed=self.seed, now=self._clock) for w in range(self.workers)]
             for w in range(self.workers):
                 self._try_start(w)
         slow = self.sampler.model.slow_server if self.sampler is not None else 0.0
@@ -232,6 +236,10 @@ class Simulator:
             return
         if not worker.ready(stamp):
             self._waiting.add(w)
+            until = worker.holds_out(stamp)
+            if until is not None and not stamp.done:
+                # Streaming with patience: it takes what its bound allows once it held out long enough.
+                self._schedule(until, _WAKE, -1, [w])
             return
         if self.sampler is not None and self.sampler.is_frozen(w, self.now):
             self._frozen_set.add(w)
@@ -260,10 +268,10 @@ class Simulator:
         self._began[w] = self.now
         params = self._held[w]
         assert params is not None  # a worker's first opportunity always fetches
-        arrival = worker.arrival(self._grads(params, shard, index))
+        compute, delay = self._compute_time(w, index)
+        arrival = worker.arrival(self._grads(params, shard, index), done_at=self.now + compute)
         self._current[w] = [self.now, self._seq]
         self._spec[w].start(worker.version)
-        compute, delay = self._compute_time(w, index)
         self._schedule(self.now + compute + delay, _PUSH, w, arrival)
         if delay > 0 and self._streams:
             # Its next round may start on a version its bound allows before this push lands, as the servers' MPI
@@ -347,7 +355,7 @@ class Simulator:
             for t, seq, kind, w, payload in state["heap"]
         ]
         heapq.heapify(self._heap)
-        self._workers = [Worker(w, policy, seed=self.seed) for w in range(self.workers)]
+        self._workers = [Worker(w, policy, seed=self.seed, now=self._clock) for w in range(self.workers)]
         for worker, saved in zip(self._workers, state["workers"], strict=True):
             worker.load_state_dict(saved)
         self._held = list(state["held"])

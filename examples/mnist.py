@@ -101,8 +101,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--stream",
-        action="store_true",
-        help="--sync ssp: stream=True (every version sent as published; a worker need not wait for its own push)",
+        choices=["patient", "eager", "off"],
+        default=None,
+        help="--sync ssp: how a worker reads after its push. patient (ssp's default): every version is sent as "
+        "published, and a worker holds out for the one its push makes for half its compute; eager: it never holds "
+        "out (patience=None); off: it reads its own writes (stream=False)",
     )
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -143,14 +146,17 @@ def main() -> None:
         parser.error("--data mnist reads the IDX files in --mnist DIR")
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit {args.limit}: must be >= 1")
+    if args.stream is not None and args.sync != "ssp":
+        parser.error(f"--stream {args.stream}: only with --sync ssp (not --sync {args.sync})")
 
     options = {}
     if COLLSYNC:
         margin = None if args.margin == "none" else args.margin if args.margin == "auto" else float(args.margin)
         backup = {"backups": args.backups, "margin": margin}
         partial = {"pushes": args.pushes} if args.sync == "psp" and args.pushes is not None else {}
-        stream = {"stream": True} if args.sync == "ssp" and args.stream else {}
-        options = {"sync": args.sync, **(backup if args.sync == "backup" else {}), **partial, **stream}
+        stream = {"off": {"stream": False}, "eager": {"patience": None}}.get(args.stream or "patient", {})
+        options = {"sync": args.sync, **(backup if args.sync == "backup" else {}), **partial}
+        options.update(stream if args.sync == "ssp" else {})
         hvd.init(sync=args.sync)  # a parameter-server mode reserves rank 0 as the server here
     else:
         hvd.init()

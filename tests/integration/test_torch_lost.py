@@ -39,7 +39,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("sync", ["async", "ssp", "ssp-stream", "backup"])
+@pytest.mark.parametrize("sync", ["async", "ssp", "ssp-own", "backup"])
 def test_a_stopped_worker_is_lost_and_the_others_finish(tmp_path, sync):
     args = [str(MPIEXEC), "-disable-auto-cleanup", "-n", "4", sys.executable, str(SCRIPT), sync, "1", "300"]
     proc = subprocess.Popen([*args, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -202,12 +202,13 @@ def test_a_round_through_the_windows_is_four_round_trips_or_none(comm, sent):
 
 @pytest.mark.parametrize("name", ["ssp", "bsp"])
 def test_an_ssp_worker_reads_its_next_version_before_its_push_lands(comm, name):
-    """Issue 33, item 3: under SSP (bound 1, `stream=True`) the servers send every version as it is published
-    (`policy.Sent.streams`), so a worker that pushed round 0 computes round 1 on the version it holds while the server
-    has not even taken the push (here: held in a barrier); under BSP it reads its own writes and must wait for it."""
+    """Issue 33, item 3: under SSP (bound 1, `stream=True`, no `patience`) the servers send every version as it is
+    published (`policy.Sent.streams`), so a worker that pushed round 0 computes round 1 on the version it holds while
+    the server has not even taken the push (here: held in a barrier); under BSP it reads its own writes and must wait
+    for it."""
     if comm.Get_size() < 2:
         pytest.skip("a mailbox needs a server and at least one worker")
-    policy = ssp(1, stream=True) if name == "ssp" else bsp()
+    policy = ssp(1, stream=True, patience=None) if name == "ssp" else bsp()
     numel, workers = 6, comm.Get_size() - 1
     with WindowMailbox(comm, numel, dtype=torch.float64, sends=policy.sent()) as box:
         if box.is_server:
@@ -229,6 +230,49 @@ def test_an_ssp_worker_reads_its_next_version_before_its_push_lands(comm, name):
                 assert stamp is None, stamp  # round 1 needs version 1: the push first
             comm.Barrier()
             assert pull(worker, box, params).done
+
+
+@pytest.mark.parametrize("case", ["fresh", "held"])
+def test_a_patient_ssp_worker_holds_out_for_the_version_its_push_makes_then_takes_the_one_it_holds(comm, case):
+    """Issue 33/34: streaming with `patience` 0.5 (`loops.Worker.holds_out`), a worker whose gradient took 1 s (its
+    own clock, set by hand) does not compute round 1 on version 0, which it holds, for 0.5 s after its push: it
+    takes version 1 if the server publishes it meanwhile ("fresh"), else version 0 once the 0.5 s are over ("held")."""
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    policy = ssp(1, stream=True, patience=0.5)
+    numel, workers = 6, comm.Get_size() - 1
+    with WindowMailbox(comm, numel, dtype=torch.float64, sends=policy.sent()) as box:
+        if box.is_server:
+            box.publish(torch.zeros(numel, dtype=torch.float64), Stamp(0, False))
+            comm.Barrier()  # every worker pushed round 0 and found nothing it may take yet
+            if case == "fresh":
+                taken = [box.recv(timeout=30.0) for _ in range(workers)]
+                assert all(a is not None and a.clock == 0 for a in taken), taken
+                box.publish(torch.ones(numel, dtype=torch.float64), Stamp(1, False))
+            comm.Barrier()  # every worker took a version for round 1
+            box.publish(torch.ones(numel, dtype=torch.float64), Stamp(2, True))
+            box.close(timeout=30.0)
+        else:
+            clock = [0.0]
+            worker = Worker(box.worker, policy, now=lambda: clock[0])
+            params = torch.empty(numel, dtype=torch.float64)
+            assert pull(worker, box, params).version == 0
+            clock[0] = 1.0  # the gradient took a second: it holds out until 1.5
+            push(worker, box, torch.ones(numel, dtype=torch.float64), pull_next=True)
+            first = box.try_read(params, worker.ready)
+            comm.Barrier()
+            clock[0] = 1.4 if case == "fresh" else 1.6
+            end, stamp = time.monotonic() + 10.0, None
+            while stamp is None and time.monotonic() < end:  # bounded: a failure must not hang the others
+                stamp = box.try_read(params, worker.ready)
+            if stamp is not None:
+                worker.begin(stamp)
+            comm.Barrier()
+            done = box.read(params, lambda s: s.done)  # the version held would serve round 2 again: wait for `done`
+            assert first is None, first  # version 0 was held, and 1 s x 0.5 not over
+            assert stamp is not None and stamp.version == (1 if case == "fresh" else 0), stamp
+            assert float(params[0]) == (1.0 if case == "fresh" else 0.0)
+            assert done.done
 
 
 def test_a_worker_that_saw_done_in_the_window_does_not_wait_for_its_delivery(comm):

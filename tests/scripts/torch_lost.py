@@ -24,8 +24,8 @@ DEADLINE = 5.0
 def main() -> None:
     sync, stop_rank, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     (out / f"pid-{MPI.COMM_WORLD.Get_rank()}").write_text(str(os.getpid()))  # the test sees each process end
-    mode, _, variant = sync.partition("-")  # "ssp-stream": ssp with stream=True
-    options = {"stream": True} if variant == "stream" else {}
+    mode, _, variant = sync.partition("-")  # "ssp-own": ssp reading its own writes (stream=False)
+    options = {"stream": False} if variant == "own" else {}
     hvd.init(sync=hvd.sync_config(mode, deadline=DEADLINE, **options), deadline=DEADLINE)
     me = hvd.rank()
     torch.manual_seed(0)

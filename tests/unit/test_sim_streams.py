@@ -1,9 +1,12 @@
 """The simulator's model of streamed versions (`policy.Sent.streams`, issue 33): under SSP a worker whose push is
 late on the network starts its next round once its compute is done, on a version its bound allows, as the MPI
-servers' deliveries let it (`ssp(stream=True)`); under BSP, and SSP by default, it reads its own writes, so the late
-push holds its next round."""
+servers' deliveries let it (`ssp()`, `stream=True`), after holding out for the version its own push makes for at most
+`patience` times its compute (`loops.Worker.holds_out`); under BSP, and SSP with `stream=False`, it reads its own
+writes, so the late push holds its next round."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,14 +15,14 @@ from collsync.policy import bsp, ssp
 from collsync.rules import sgd
 from collsync.server import Server
 from collsync.sim import Simulator
-from collsync.stragglers import Stragglers
+from collsync.stragglers import OneSlow, Stragglers
 
 WORKERS, ROUNDS = 4, 30
 
 
-def starts(policy, delay: float) -> tuple[list[dict], list[dict]]:
+def starts(policy, delay: float, stragglers: Stragglers | OneSlow | None = None) -> tuple[list[dict], list[dict]]:
     """(worker 0's start events, the applies) of a run where every push is `delay` seconds late (compute 1 s)."""
-    stragglers = Stragglers(delay_prob=1.0 if delay else 0.0, delay=delay)
+    stragglers = stragglers or Stragglers(delay_prob=1.0 if delay else 0.0, delay=delay)
     sim = Simulator(WORKERS, stragglers, seed=0)
     server = Server(torch.zeros(2), sgd(lr=0.1), policy, WORKERS, steps=ROUNDS, trace=sim.trace)
     sim.run(server, lambda params, worker, index: torch.ones(2))
@@ -29,7 +32,7 @@ def starts(policy, delay: float) -> tuple[list[dict], list[dict]]:
 def test_ssp_computes_on_while_its_push_is_on_its_way():
     """Every push 0.5 s late, compute 1 s: SSP (bound 1) starts each round when the last one's compute is done (a
     second apart), so its rounds take 1 s where BSP's take 1.5 s (compute, then the push's way)."""
-    ssp_starts, ssp_applies = starts(ssp(1, stream=True), 0.5)
+    ssp_starts, ssp_applies = starts(ssp(1, stream=True, patience=None), 0.5)
     bsp_starts, bsp_applies = starts(bsp(), 0.5)
     gaps = [b["t"] - a["t"] for a, b in zip(ssp_starts[2:], ssp_starts[3:], strict=False)]
     assert gaps and all(g == pytest.approx(1.0) for g in gaps), gaps
@@ -47,13 +50,43 @@ def test_without_delays_ssp_rounds_are_as_before():
 
 
 def test_ssp_reads_its_own_writes_unless_it_streams():
-    """`stream` is SSP's choice, off by default: without it a late push holds the next round as under BSP."""
-    assert ssp(1).sent().streams is False and ssp(1, stream=True).sent().streams is True  # type: ignore[union-attr]
-    own, _ = starts(ssp(1), 0.5)
+    """`stream` is SSP's choice, on by default (with patience 0.5): without it a late push holds the next round as
+    under BSP."""
+    assert ssp(1, stream=False).sent().streams is False and ssp(1).sent().streams is True  # type: ignore[union-attr]
+    assert ssp(1).patience == 0.5
+    own, _ = starts(ssp(1, stream=False), 0.5)
     gaps = [b["t"] - a["t"] for a, b in zip(own[2:], own[3:], strict=False)]
     assert gaps and all(g == pytest.approx(1.5) for g in gaps), gaps
 
 
 def test_only_ssp_with_a_bound_may_stream():
+    assert ssp(0).stream is False and ssp(0).patience is None  # bound 0 is BSP: nothing to stream
     with pytest.raises(ValueError, match="stream=True needs SSP"):
-        ssp(0, stream=True)
+        replace(ssp(0), stream=True)
+
+
+def test_with_patience_a_late_push_holds_the_next_round_that_long_at_most():
+    """Every push 0.5 s late, compute 1 s, patience 0.25: a worker holds out 0.25 s for the version its push makes
+    (it comes 0.5 s after its compute), then computes on the one its bound allows: rounds of 1.25 s, between
+    streaming's 1 s and reading its own writes' 1.5 s, each of them a round stale."""
+    held, _ = starts(ssp(1, stream=True, patience=0.25), 0.5)
+    gaps = [b["t"] - a["t"] for a, b in zip(held[2:], held[3:], strict=False)]
+    assert gaps and all(g == pytest.approx(1.25) for g in gaps), gaps
+    assert all(e["clock"] - e["version"] == 1 for e in held[2:]), held
+
+
+def test_with_patience_the_workers_wait_for_a_slightly_slower_one_and_compute_fresh():
+    """No message delay, worker 3 takes 1.2 s where the others take 1 s: streaming without patience computes every
+    round of the fast workers a round stale; with patience 0.5 they hold out 0.2 s and every round is fresh."""
+    stale, _ = starts(ssp(1, stream=True, patience=None), 0.0, OneSlow(WORKERS, 1.2))
+    fresh, _ = starts(ssp(1, stream=True, patience=0.5), 0.0, OneSlow(WORKERS, 1.2))
+    assert sum(e["clock"] - e["version"] for e in stale[1:]) >= len(stale) // 2, stale
+    assert all(e["clock"] == e["version"] for e in fresh), fresh
+
+
+def test_patience_is_for_streams_only():
+    assert ssp(1, stream=False, patience=0.5).patience is None  # the factory drops it: nothing to hold out for
+    with pytest.raises(ValueError, match="patience"):
+        replace(ssp(1, stream=True), patience=-1.0)
+    with pytest.raises(ValueError, match="patience"):
+        replace(ssp(1, stream=False), patience=0.5)
