@@ -281,9 +281,45 @@ def figure(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def merge(paths: list[Path], args: argparse.Namespace) -> None:
+    """One summary of the runs of several saved measurements: each (scenario, side, repeat) once (a later file's run
+    replaces an earlier one's), under the first file's reference; the files must agree on what was measured."""
+    saved = [json.loads(p.read_text()) for p in paths]
+    keys = ("epochs", "workers", "model", "compute", "data", "limit", "core_share")
+    first = saved[0]
+    for path, other in zip(paths[1:], saved[1:], strict=True):
+        differ = [k for k in keys if other["config"].get(k) != first["config"].get(k)]
+        if differ or other["reference"] != first["reference"]:
+            raise SystemExit(f"horovod_stragglers: {path} measured something else ({', '.join(differ) or 'reference'})")
+    runs = {(r["scenario"], r["side"], r["repeat"]): r for one in saved for r in one["runs"]}
+    merged = sorted(runs.values(), key=lambda r: (r["repeat"], r["scenario"], r["side"]))
+    summary = summarise(merged, first["reference"])
+    shown = table(summary, first["reference"])
+    print(shown, flush=True)
+    sides = list(dict.fromkeys(side for one in saved for side in one["config"]["sides"]))
+    scenarios = list(dict.fromkeys(sc for one in saved for sc in one["config"]["scenarios"]))
+    result = {
+        **first,
+        "command": "; ".join(one["command"] for one in saved),
+        "merged": [str(p) for p in paths],
+        "config": {**first["config"], "sides": sides, "scenarios": scenarios, "repeats": len({r[2] for r in runs})},
+        "summary": summary,
+        "runs": merged,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.table:
+        args.table.write_text(shown + "\n")
+    if args.plot:
+        figure(result, args.plot)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--first-repeat", type=int, default=0, help="the first repeat (its seed): more repeats of a saved measurement"
+    )
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="examples/mnist.py's --model")
@@ -305,9 +341,20 @@ def main() -> None:
     parser.add_argument(
         "--replot", type=Path, default=None, help="draw a saved --out JSON (to --plot, or beside it) and stop"
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="saved --out JSONs of one measurement (e.g. repeats 0-2 and, with --first-repeat 3, 3-4): summarise "
+        "their runs together (to --out, --table, --plot) and stop",
+    )
     args = parser.parse_args()
     if args.replot:
         figure(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return
+    if args.merge:
+        merge(args.merge, args)
         return
     if args.tiny:
         args.repeats, args.epochs, args.workers, args.scenarios = 1, 1, 2, ["heavy"]
@@ -329,7 +376,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as folder:
             horovod = horovod_script(Path(folder)) if "horovod" in sides else None
-            for repeat in range(args.repeats):
+            for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
                 for scenario in args.scenarios:
                     for side in sides:
                         run = launch(side, scenario, repeat, args, horovod)

@@ -129,3 +129,33 @@ def test_horovod_stragglers_table_keeps_a_scenario_without_a_target() -> None:
     row |= {"sooner_than_reference": None, "final_minus_reference": None}
     text = module.table({"none": {"target": None, "sides": {"backup": row}}}, "horovod")
     assert "| none (no target) | backup | never; 0/1 | - | 0.900 (0.900-0.900) | - |" in text
+
+
+def test_horovod_stragglers_merges_more_repeats_of_a_saved_measurement(tmp_path: Path) -> None:
+    """`--merge`: the runs of two saved measurements summarised together, each (scenario, side, repeat) once; files
+    that measured something else are refused."""
+
+    def saved(repeats: range, finals: dict[str, float], epochs: int = 3) -> dict[str, Any]:
+        runs = [
+            {"side": side, "scenario": "none", "repeat": r, "ok": True, "epochs": [[10.0 + r, final]], "final": final}
+            for r in repeats
+            for side, final in finals.items()
+        ]
+        config = {"epochs": epochs, "workers": 4, "model": "cnn", "compute": 0.01, "data": "fashion", "limit": None}
+        config |= {"core_share": 0.25, "sides": list(finals), "scenarios": ["none"]}
+        return {"command": "c", "config": config, "reference": "horovod", "runs": runs}
+
+    first, more, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    first.write_text(json.dumps(saved(range(3), {"horovod": 0.8, "ssp": 0.9})))
+    more.write_text(json.dumps(saved(range(2, 5), {"horovod": 0.8, "ssp": 0.7})))  # repeat 2 measured again
+    other.write_text(json.dumps(saved(range(3, 5), {"horovod": 0.8}, epochs=8)))
+    script = [sys.executable, str(ROOT / "benchmarks" / "horovod_stragglers.py"), "--merge"]
+    out = tmp_path / "m.json"
+    proc = subprocess.run([*script, str(first), str(more), "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = json.loads(out.read_text())
+    ssp = merged["summary"]["none"]["sides"]["ssp"]
+    assert len(merged["runs"]) == 10 and ssp["runs"] == 5 and merged["config"]["repeats"] == 5
+    assert ssp["final"] == {"median": 0.7, "min": 0.7, "max": 0.9}  # repeats 0-1 at 0.9, 2-4 (the later file) 0.7
+    refused = subprocess.run([*script, str(first), str(other)], capture_output=True, text=True)
+    assert refused.returncode != 0 and "measured something else (epochs)" in refused.stderr
