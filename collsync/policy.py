@@ -328,8 +328,8 @@ def ssp(
     2.37x with `patience=None` (never wait: every round a full `max_lead` stale) and 0.84x with `stream=False`; on
     the Fashion-MNIST CNN (3 seeds) +1.5 points against Horovod without stragglers and -0.8 with heavy-tailed ones,
     where `patience=None` ended -4.8 (one seed at chance) and `stream=False` -1.2 to -1.8. `stream=False`: a worker
-    reads its own writes (the first version its bound allows once the server took its push); `patience` is then
-    unused, as both are at `max_lead=0` (BSP).
+    reads its own writes (the first version its bound allows once the server took its push), `patience` unused.
+    At `max_lead=0` (BSP) neither applies.
     """
     return SyncPolicy(
         "ssp",
