@@ -13,7 +13,9 @@ server sends it (`policy.Sent`):
   its bound allows, whether or not its own push has landed: the version its next round needs was published
   before its push arrived (the round before's), so push and pull cross on the way instead of following each
   other, and a worker behind a slow link computes on instead of waiting a round trip a round. A version already
-  held serves again where the bound allows it.
+  held serves again where the bound allows it. With `policy.patience` (ssp's default) the worker first holds out
+  for the version its push makes (`loops.Worker.holds_out`): its reads poll, so a held version becomes `ready`
+  once the wait is over, with nothing asked of the server.
 
 On the worker's side the receive is posted beforehand into one of two buffers (a newer version may come while the
 caller copies the last one), and `take` hands over the newest.

@@ -251,6 +251,12 @@ def test_example_says_how_to_install_fashion_mnist_where_it_is_missing(tmp_path)
     assert lines and "apt-get install dataset-fashion-mnist" in lines[0] and "Traceback" not in proc.stderr
 
 
+def test_example_refuses_an_ssp_option_without_ssp():
+    """`--stream` chooses how an ssp worker reads; under another mode it would be silently ignored: refused instead."""
+    proc = mpirun(1, "examples/mnist.py", "--sync", "bsp", "--stream", "off", timeout=120)
+    assert proc.returncode != 0 and "--stream off: only with --sync ssp (not --sync bsp)" in proc.stderr
+
+
 def test_synthetic_benchmark_prints_images_per_second():
     proc = mpirun(2, "examples/synthetic_benchmark.py", "--num-iters", "2", "--num-batches-per-iter", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
