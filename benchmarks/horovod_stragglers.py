@@ -281,6 +281,17 @@ def figure(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def save(result: dict[str, Any], shown: str, args: argparse.Namespace) -> None:
+    """Write a measurement where the command line asks: the JSON (`--out`), the table (`--table`), the figure
+    (`--plot`)."""
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.table:
+        args.table.write_text(shown + "\n")
+    if args.plot:
+        figure(result, args.plot)
+
+
 def merge(paths: list[Path], args: argparse.Namespace) -> None:
     """One summary of the runs of several saved measurements: each (scenario, side, repeat) once (a later file's run
     replaces an earlier one's), under the first file's reference; the files must agree on what was measured."""
@@ -306,12 +317,7 @@ def merge(paths: list[Path], args: argparse.Namespace) -> None:
         "summary": summary,
         "runs": merged,
     }
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
-    if args.table:
-        args.table.write_text(shown + "\n")
-    if args.plot:
-        figure(result, args.plot)
+    save(result, shown, args)
 
 
 def main() -> None:
@@ -401,12 +407,7 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
-    if args.table:
-        args.table.write_text(shown + "\n")
-    if args.plot:
-        figure(result, args.plot)
+    save(result, shown, args)
     if not all(r["ok"] for r in runs):
         raise SystemExit(f"horovod_stragglers: {sum(not r['ok'] for r in runs)} run(s) failed (see the JSON)")
 

@@ -237,7 +237,7 @@ class Simulator:
         if not worker.ready(stamp):
             self._waiting.add(w)
             until = worker.holds_out(stamp)
-            if until is not None and not stamp.done:
+            if until is not None:
                 # Streaming with patience: it takes what its bound allows once it held out long enough.
                 self._schedule(until, _WAKE, -1, [w])
             return
