@@ -18,7 +18,10 @@ no injected delay, the ranks across the cluster in one box (scripts/cluster.py; 
 the last worker alone on node2, whose link gets the `slow-host` model (5 ms each way) for the scenario: straggling made
 by the network, on every side alike; and `shared-core`: no injected delay, the last worker's process held to
 `--core-share` of one core (a CPU quota in its own cgroup, `cpu.cfs_quota_us` or `cpu.max`; root only), as a worker
-whose core is shared with a busy neighbour: its real forward and backward passes take longer, not a sleep. Every batch
+whose core is shared with a busy neighbour: its real forward and backward passes take longer, not a sleep; and
+`busy-host`: both at once across the box, every host's link the `1gbe` model and node2's processes held to
+`--core-share` of one core (`scripts/cluster.py cpu`), as a host on a 1 Gbit/s network slowed by a CPU-bound
+neighbour (issue 33, item 5). Every batch
 sleeps `--compute` seconds besides (a larger model's compute, so that 3x means something), and the delays come from a
 generator seeded by the repeat and the worker: the same on every side. The runs are interleaved (repeat r runs every
 scenario and side before repeat r + 1), each launch is timed by the script itself from the start of training, and the
@@ -57,7 +60,8 @@ SERVER_SIDES = {"async", "psp", "ssp", "ssp-stream", "ssp-own", "specsync"}
 SSP_VARIANTS = {"ssp-stream": "eager", "ssp-own": "off"}
 DEFAULT_SIDES = [s for s in SIDES if s not in SSP_VARIANTS]
 SCENARIOS = ["none", "heavy", "slow"]
-NAMED = ["slow-host", "shared-core"]  # run only when asked for by name (each needs root)
+NAMED = ["slow-host", "shared-core", "busy-host"]  # run only when asked for by name (each needs root)
+BOXED = {"slow-host", "busy-host"}  # across the cluster in one box
 CGROUP = "collsync-shared-core"  # the cgroup the shared-core worker runs in (made and removed by this script)
 BOX = Path(os.environ.get("COLLSYNC_CLUSTER_DIR", "/tmp/collsync-cluster"))  # scripts/cluster.py's folder
 SLOW_HOST = "node2"
@@ -103,7 +107,7 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
     command += ["--data", args.data] + (["--limit", str(args.limit)] if args.limit else [])
     command += ["--stream", SSP_VARIANTS[side]] if side in SSP_VARIANTS else []
     argv = [str(BIN / "mpiexec"), "-n", str(ranks), *command]
-    if scenario == "slow-host":
+    if scenario in BOXED:
         argv = [str(BOX / "bin" / "mpiexec"), "-hosts", box_hosts(ranks), *argv[1:]]
     if scenario == "shared-core":  # MPMD: the last rank (the last worker) joins the quota's cgroup, then runs
         join = f'echo $$ > {cgroup_procs()} && exec "$@"'
@@ -138,12 +142,24 @@ def box_hosts(ranks: int) -> str:
     return f"node0:{first},node1:{ranks - 1 - first},{SLOW_HOST}:1"
 
 
-def slow_host(on: bool) -> None:
-    """Put the `slow-host` link model on node2's link (or take it off)."""
-    if on and not (BOX / "cluster.json").is_file():
-        raise SystemExit("horovod_stragglers: slow-host needs the cluster in one box (bash scripts/cluster_up.sh)")
-    model = "slow-host" if on else "none"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), "link", SLOW_HOST, model], check=True)
+def cluster(*args: str) -> None:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), *args], check=True)
+
+
+def box(scenario: str, on: bool, share: float) -> None:
+    """The box's state for a boxed scenario (or, `on` False, every link and CPU as `cluster_up.sh` left them):
+    slow-host, the `slow-host` link model on node2's link; busy-host, every host's link `1gbe` and node2's processes
+    held to `share` of one core."""
+    made = BOX / "cluster.json"
+    if on and not made.is_file():
+        raise SystemExit(f"horovod_stragglers: {scenario} needs the cluster in one box (bash scripts/cluster_up.sh)")
+    if scenario == "slow-host":
+        cluster("link", SLOW_HOST, "slow-host" if on else "none")
+        return
+    hosts = json.loads(made.read_text())["hosts"] if made.is_file() else [SLOW_HOST]
+    for host in hosts:
+        cluster("link", host, "1gbe" if on else "none")
+    cluster("cpu", SLOW_HOST, str(share) if on else "none")
 
 
 def _cgroup_root() -> tuple[Path, str]:
@@ -334,7 +350,10 @@ def main() -> None:
     parser.add_argument("--data", choices=["digits", "fashion"], default="digits", help="examples/mnist.py's --data")
     parser.add_argument("--limit", type=int, default=None, help="examples/mnist.py's --limit (training/test images)")
     parser.add_argument(
-        "--core-share", type=float, default=0.25, help="shared-core: the share of one core the last worker gets"
+        "--core-share",
+        type=float,
+        default=0.25,
+        help="shared-core and busy-host: the share of one core the last worker (busy-host: its host) gets",
     )
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=DEFAULT_SIDES)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take")
@@ -375,8 +394,8 @@ def main() -> None:
     runs = []
     if not 0 < args.core_share <= 1:
         raise SystemExit(f"horovod_stragglers: --core-share {args.core_share}: must be in (0, 1]")
-    if "slow-host" in args.scenarios:
-        slow_host(True)
+    for scenario in BOXED & set(args.scenarios):  # one at a time, around its launches (below)
+        box(scenario, False, args.core_share)
     if "shared-core" in args.scenarios:
         shared_core(args.core_share)
     try:
@@ -384,14 +403,18 @@ def main() -> None:
             horovod = horovod_script(Path(folder)) if "horovod" in sides else None
             for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
                 for scenario in args.scenarios:
+                    if scenario in BOXED:
+                        box(scenario, True, args.core_share)
                     for side in sides:
                         run = launch(side, scenario, repeat, args, horovod)
                         runs.append(run)
                         said = f"final {run['final']:.3f}" if run["ok"] else f"FAILED: {run['error'][-200:]}"
                         print(f"repeat {repeat} {scenario} {side}: {said}", flush=True)
+                    if scenario in BOXED:
+                        box(scenario, False, args.core_share)
     finally:  # the link model and the cgroup are the machine's, not the run's: never left behind
-        if "slow-host" in args.scenarios:
-            slow_host(False)
+        for scenario in BOXED & set(args.scenarios):
+            box(scenario, False, args.core_share)
         if "shared-core" in args.scenarios:
             shared_core(None)
     summary = summarise(runs, reference)

@@ -33,8 +33,9 @@ from collsync.specsync import Speculation
 
 @dataclass(frozen=True)
 class Sent:
-    """How the servers send a round policy's parameters (`SyncPolicy.sent`, `runtime.mpi_sent`): `least` is the
-    first version a worker that pushed round c may compute on (`SyncPolicy.least_version`); `streams`: every publish
+    """How the servers send a worker its parameters (`SyncPolicy.sent`, `runtime.mpi_sent`): `least` is the
+    first version a worker that pushed round c may compute on (`SyncPolicy.least_version`; 0 under async, where a
+    worker reads the newest version once its push was dealt with); `streams`: every publish
     goes to every worker and a worker reads the first version `least` allows without waiting for its own push to
     land (SSP: the version its next round needs was published before its push arrived, so push and pull cross
     instead of following each other); else each worker is sent the first version >= `least` once its push was
@@ -224,12 +225,18 @@ class SyncPolicy:
         return clock + 1 - (self.max_lead or 0) if self.rounds else 0
 
     def sent(self) -> Sent | None:
-        """What the servers send a worker (`runtime.mpi_sent`), for a round policy (a worker reads right after each
-        push; no read without one): the first version >= its `least_version` once its push was dealt with (read your
-        own writes), or, where the policy lets a worker's next round start before its own push lands (SSP with
-        `stream`), every version as it is published. None where workers pull: stream policies (each update sent to
-        every worker would be n times the traffic) and SpecSync (a re-sync reads with no push before it)."""
-        if not self.rounds or self.speculation is not None or self.transmit is not None:
+        """What the servers send a worker (`runtime.mpi_sent`), where a worker reads right after each push: the
+        first version >= its `least_version` once its push was dealt with (read your own writes; under async the
+        newest, one delivery a push, so no more traffic than its pull), or, where the policy lets a worker's next
+        round start before its own push lands (SSP with `stream`), every version as it is published. None where
+        workers pull from the window: B-FASGD (a skipped fetch leaves a push with no read after it) and SpecSync
+        (a re-sync reads with no push before it).
+
+        Async takes deliveries because the window's read is a seqlock: a worker whose Get and re-read take longer
+        than the server takes between two publishes never reads a clean copy. With a worker behind a 5 ms link and
+        three fast ones publishing every few ms, that worker made 1 step in 8 epochs (benchmarks/README.md, "Async
+        with a slow host")."""
+        if self.speculation is not None or self.transmit is not None:
             return None
         # SSP's bound s: while the server waits on a worker it publishes at most s + 1 versions past the one that
         # worker last pushed from (round c waits for its push; that push's version was >= c - s), so this many

@@ -6,6 +6,7 @@
     python scripts/cluster.py link node2 slow-host            # a link model on one host's link (or `none`)
     python scripts/cluster.py cut node2 / mend node2          # take its link down / up again (a partition)
     python scripts/cluster.py kill node2                      # end every process on that host (a lost host)
+    python scripts/cluster.py cpu node2 0.25                  # its processes held to a quarter of one core (or none)
     python scripts/cluster.py down                            # or: bash scripts/cluster_down.sh
 
 DIR is $COLLSYNC_CLUSTER_DIR or /tmp/collsync-cluster. Each host `nodeI` is a network namespace of that name with
@@ -15,16 +16,20 @@ address or link is made outside the namespaces this script creates. Names resolv
 Open MPI's `plm_ssh_agent`) runs in the host's namespace with the host's name (`unshare -u`), so ranks on different
 hosts share no memory and talk over TCP through the bridge.
 
-Link models sit on both ends of a host's link (the host's egress and the bridge port's egress towards it): a
-message between two hosts crosses both hosts' links, so its one-way delay is the sum of their delays (a model on
-one host only: that host's delay and loss). Presets: 10gbe (10 Gbit/s, 25 us), 1gbe (1 Gbit/s, 50 us), slow-host
-(5 ms), slow-link (20 Mbit/s), lossy (1% loss), none; or a spec such as `rate=1gbit,delay=50us,jitter=10us,loss=0.5%`.
-They are `tc netem` where the kernel has it. A kernel built without netem (some VMs' are) gets the rate from `tbf`,
-the loss from a BPF filter that drops packets at random (built with LLVM's llc), and a delay of 1 ms or more from
+Link models sit on both ends of a host's link (the host's egress and the bridge port's egress towards it): a message
+between two hosts crosses both hosts' links, so its one-way delay is the sum of their delays (a model on one host
+only: that host's delay and loss). Presets: 10gbe (10 Gbit/s, 25 us), 1gbe (1 Gbit/s, 50 us), slow-host (5 ms),
+slow-link (20 Mbit/s), lossy (1% loss), none; or a spec such as `rate=1gbit,delay=50us,jitter=10us,loss=0.5%`. They
+are `tc netem` where the kernel has it. A kernel built without netem (some VMs' are) gets the rate from `tbf`, the
+loss from a BPF filter that drops packets at random (built with LLVM's llc), and a delay of 1 ms or more from
 scripts/linkdelay.py: the host's bridge port is taken off the bridge and a process in the bridge's namespace holds
 each frame between it and a second port for the delay, both ways (round trip + 2 x delay, as netem on both ends).
-That process adds its own forwarding time and caps the link at a few hundred Mbit/s, so delays under 1 ms (the
-10gbe and 1gbe presets') are left out there, saying so: those presets are then their rate alone.
+That process adds its own forwarding time and caps the link at a few hundred Mbit/s, so delays under 1 ms (the 10gbe
+and 1gbe presets') are left out there, saying so: those presets are then their rate alone.
+
+A host's CPU can be slowed too (`cpu HOST SHARE`): every process started on it from then on (DIR/bin/launch puts it
+there) runs in a cgroup of its own whose CPU quota is SHARE of one core, as a host whose cores a CPU-bound neighbour
+shares.
 
 Needs root (namespaces, veth, tc). Where it cannot make them, `up` writes one line to DIR/unavailable (tests/cluster
 skip with it), prints it and exits 1. `up` is idempotent (a complete cluster is kept, a partial one remade); `down`
@@ -80,6 +85,9 @@ LAUNCH = """#!/bin/sh
 # Options before the host (ssh-style flags some launchers add) are skipped.
 while [ "${1#-}" != "$1" ]; do shift; done
 host=$1; shift
+# A host whose CPU is slowed (`cluster.py cpu`): the command joins its cgroup here, where /sys/fs/cgroup is mounted.
+cpu="$(dirname "$0")/../cpu/$host"
+if [ -f "$cpu" ]; then echo $$ > "$(cat "$cpu")"; fi
 exec ip netns exec "$host" unshare -u sh -c 'hostname "$0"; exec sh -c "$*"' "$host" "$@"
 """
 MPICH = """#!/bin/sh
@@ -293,6 +301,44 @@ def set_link(host: str, model: str) -> None:
     print(f"cluster: {host}'s link: {model} ({', '.join(f'{k} {v}' for k, v in spec.items()) or 'no model'})")
 
 
+def cpu_controller() -> tuple[Path, str]:
+    """The cpu controller's folder and its quota file: cgroup v1's `cpu` hierarchy, or v2's unified one."""
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").is_file():
+        return v1, "cpu.cfs_quota_us"
+    controllers = v2 / "cgroup.controllers"
+    if controllers.is_file() and "cpu" in controllers.read_text().split():
+        return v2, "cpu.max"
+    sys.exit("cluster: cpu needs a cpu cgroup controller (/sys/fs/cgroup/cpu, or cgroup v2 with cpu enabled)")
+
+
+def set_cpu(host: str, share: float | None) -> None:
+    """Hold every process started on `host` from now on to `share` of one core (a cgroup CPU quota; DIR/bin/launch
+    moves each into it), or (None) start them unheld again and remove the cgroup once its processes ended."""
+    root, quota = cpu_controller()
+    group, marker = root / f"collsync-cluster-{host}", DIR / "cpu" / host
+    if share is None:
+        marker.unlink(missing_ok=True)
+        try:
+            group.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            print(f"cluster: {group} kept ({exc}: processes of {host} still in it)")
+        print(f"cluster: {host}'s CPU: unheld")
+        return
+    if not 0 < share <= 1:
+        sys.exit(f"cluster: cpu {host} {share}: the share of one core must be in (0, 1]")
+    period = 100_000
+    group.mkdir(exist_ok=True)
+    (group / quota).write_text(
+        str(int(share * period)) if quota == "cpu.cfs_quota_us" else f"{int(share * period)} {period}"
+    )
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(group / "cgroup.procs"))
+    print(f"cluster: {host}'s CPU: {share:g} of one core for every process started there ({group})")
+
+
 def unavailable(why: str) -> None:
     DIR.mkdir(parents=True, exist_ok=True)
     (DIR / "unavailable").write_text(why + "\n")
@@ -394,8 +440,11 @@ def down(quiet: bool = False) -> None:
         Path("/etc/netns").rmdir()  # only when empty: other namespaces' files stay
     except OSError:
         pass
+    for host in [p.name for p in (DIR / "cpu").glob("*")]:
+        set_cpu(host, None)
     for path in [DIR / "cluster.json", DIR / "unavailable", *DIR.glob("loss-*.*"), *DIR.glob("delay-*.*")]:
         path.unlink(missing_ok=True)
+    shutil.rmtree(DIR / "cpu", ignore_errors=True)
     shutil.rmtree(DIR / "bin", ignore_errors=True)
     try:
         DIR.rmdir()
@@ -414,6 +463,9 @@ def main() -> None:
     p_link = sub.add_parser("link", help="a link model on one host's link")
     p_link.add_argument("host")
     p_link.add_argument("model")
+    p_cpu = sub.add_parser("cpu", help="hold the processes started on a host to a share of one core")
+    p_cpu.add_argument("host")
+    p_cpu.add_argument("share", help="a share of one core in (0, 1], or none")
     for name, what in (("cut", "take a host's link down"), ("mend", "bring it up"), ("kill", "end its processes")):
         sub.add_parser(name, help=what).add_argument("host")
     args = parser.parse_args()
@@ -435,6 +487,8 @@ def main() -> None:
         sys.exit(f"cluster: no host {args.host!r} (hosts: {', '.join(made['hosts'])})")
     if args.command == "link":
         set_link(args.host, args.model)
+    elif args.command == "cpu":
+        set_cpu(args.host, None if args.share == "none" else float(args.share))
     elif args.command in ("cut", "mend"):
         sh("ip", "-n", args.host, "link", "set", "eth0", "down" if args.command == "cut" else "up")
     else:

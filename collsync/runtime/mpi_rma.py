@@ -12,11 +12,11 @@ Every access is an RMA call inside one `Lock_all` epoch, completed with `Flush`,
 by atomics (`collsync.runtime.mpi_windows`), so neither side ever waits for the other to call MPI and a flag is
 never read half-written. A worker's round is four round trips when nothing has to be waited for (push 1, pull 3),
 a poll one (`benchmarks/mpi_rounds.py` counts them); MPI orders no two operations of one `Flush` but those on the
-same word, which is what the seqlock's and the flag's extra round trips are for. Under a round policy (`sends`) the
-server sends each worker the parameters it waits for instead, and the push is one message holding its header and
-gradient (`runtime.mpi_sent`): a round is no round trip at all, the push one way and the delivery back, the pull a
-local test; the window still holds every publish (the first read's fallback, evaluators' `snapshot`, PSP's stale
-blocks) and the slot word then counts the pushes dealt with.
+same word, which is what the seqlock's and the flag's extra round trips are for. Under a round policy or async
+(`sends`) the server sends each worker the parameters it waits for instead, and the push is one message holding its
+header and gradient (`runtime.mpi_sent`): a round is no round trip at all, the push one way and the delivery back,
+the pull a local test; the window still holds every publish (the first read's fallback, evaluators' `snapshot`,
+PSP's stale blocks) and the slot word then counts the pushes dealt with.
 
 * publish (server): seq <- seq + 1 (odd: writing); Put params; version, done, signal; seq <- seq + 1 (even). The
   signal (`Stamp.signal`, a float64's bits in an int64 word) is whatever scalar the server's optimizer publishes.

@@ -35,7 +35,7 @@ FINISHED, AWAY = 1, 2
 class ServedWindow(Windows):
     """Collective constructor over `comm`: `server_rank` hosts the windows; `workers` lists the worker ranks in
     worker order (default: every other rank). Ranks that are neither (other shards' servers) expose nothing and
-    may only `snapshot` the published parameters. `sends` (a round policy's `SyncPolicy.sent()`, given on every
+    may only `snapshot` the published parameters. `sends` (`SyncPolicy.sent()`: round policies and async, given on every
     rank alike): the server sends each worker the versions it reads (`runtime.mpi_sent`), and a push is a message;
     None: workers poll and Get, and push by `Put` and a flag word."""
 

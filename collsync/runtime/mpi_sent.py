@@ -1,14 +1,16 @@
-"""Server-sent parameters for round policies: the server sends each worker every version it publishes, so that the
-worker's pull is a local test of a posted receive instead of three round trips to the server's window.
+"""Server-sent parameters for the round policies and async: the server sends each worker the version it reads, so
+that the worker's pull is a local test of a posted receive instead of three round trips to the server's window.
 
-A round policy's worker reads right after each push (`loops.push(pull_next=True)`) and waits for a version it
+A worker reads right after each push (`loops.push(pull_next=True)`) and waits for a version it
 can compute its next round on (`Worker.ready`: `SyncPolicy.least_version(c)` after a push of round c). How the
 server sends it (`policy.Sent`):
 
-* read your own writes (bsp, backup, psp): once the server has dealt with worker w's push (`WindowMailbox._release`)
-  it owes w the first published version >= that bound, and sends it (with the number of w's pushes it has dealt
-  with) as soon as it is published; a delivery that counts fewer of w's pushes than w made is older than its last
-  push and is skipped, as with the window's slot flag. Under BSP that version is the one w's push completes.
+* read your own writes (bsp, backup, psp, async): once the server has dealt with worker w's push
+  (`WindowMailbox._release`) it owes w the first published version >= that bound, and sends it (with the number of
+  w's pushes it has dealt with) as soon as it is published; a delivery that counts fewer of w's pushes than w made
+  is older than its last push and is skipped, as with the window's slot flag. Under BSP that version is the one w's
+  push completes; under async (bound 0) the newest, which includes w's push: one delivery a push, the traffic of the
+  pull it replaces.
 * streams (SSP, bound s >= 1): every publish goes to every live worker as it comes, and w takes the first version
   its bound allows, whether or not its own push has landed: the version its next round needs was published
   before its push arrived (the round before's), so push and pull cross on the way instead of following each
@@ -38,8 +40,12 @@ before the last was taken waits in MPI's queue until the receive is posted again
 for that round trip before computing on. A message needs no completion before the worker moves on, and its header
 and data arrive together, so the server never sees one without the other.
 
-Async and B-FASGD stay on the windows: each update would be a delivery to every worker (n times the traffic), and
-SpecSync re-syncs with reads no push precedes.
+Async reads by delivery for a reason of its own: the window's read is a seqlock (Get the parameters, re-read the
+sequence word, retry if a publish moved it), and a worker whose two round trips take longer than the server takes
+between two publishes never reads a clean copy. Across a 5 ms link, with three fast workers making the server
+publish every few ms, the worker behind it made 1 step in 8 epochs; a delivery is one message, whole or not at all.
+B-FASGD stays on the windows (a fetch it skips leaves a push with no read after it, and the delivery owed would wait
+for the next one), and so does SpecSync (it re-syncs with reads no push precedes).
 """
 
 from __future__ import annotations

@@ -200,6 +200,57 @@ def test_a_round_through_the_windows_is_four_round_trips_or_none(comm, sent):
                 assert all(c.ops["Isend"] == 1 and c.remote_ops == 1 for c in pushes), [c.ops for c in pushes]
 
 
+def test_an_async_worker_whose_window_read_is_slower_than_the_publishes_still_reads_each_step(comm):
+    """Issue 33, item 4: async reads by delivery (`policy.Sent`, least version 0). Through the window a read is a
+    seqlock (Get, then re-read seq, retry if a publish moved it), so a worker whose Get takes longer than the server
+    takes between two publishes never read a clean copy: across a 5 ms link, behind three fast workers, one made 1
+    step in 8 epochs. Here the server publishes every 0.2 ms and the worker's window Get is held 5 ms (as a slow
+    link's), and each of its reads after a push still comes within seconds, whole, and includes its push."""
+    if comm.Get_size() < 2:
+        pytest.skip("a mailbox needs a server and at least one worker")
+    policy, numel, steps = asynchronous(), 64, 5
+    workers = comm.Get_size() - 1
+    assert policy.sent() is not None and policy.sent().least(7) == 0
+    with WindowMailbox(comm, numel, dtype=torch.float64, sends=policy.sent()) as box:
+        if box.is_server:
+            version, taken, pushes = 0, 0, [0] * workers
+            box.publish(torch.zeros(numel, dtype=torch.float64), Stamp(0))
+            end = time.monotonic() + 60.0
+            while taken < workers * steps and time.monotonic() < end:
+                arrival = box.recv(timeout=0.0)
+                version += 1
+                if arrival is not None:
+                    taken += 1
+                    pushes[arrival.worker] += 1
+                box.publish(torch.full((numel,), float(version), dtype=torch.float64), Stamp(version))
+                time.sleep(2e-4)
+            box.publish(torch.zeros(numel, dtype=torch.float64), Stamp(version + 1, done=True))
+            box.close(timeout=30.0)
+            assert taken == workers * steps, (taken, workers * steps)
+            assert pushes == [steps] * workers, pushes
+        else:
+            get = box._get_params
+
+            def slow_get(buf, seq):  # a window read as slow as one across a slow link
+                time.sleep(5e-3)
+                return get(buf, seq)
+
+            box._get_params = slow_get  # type: ignore[method-assign]
+            worker, params = Worker(box.worker, policy), torch.empty(numel, dtype=torch.float64)
+            assert pull(worker, box, params).version == 0
+            for _ in range(steps):
+                pushed_from = worker.version
+                push(worker, box, torch.ones(numel, dtype=torch.float64), pull_next=True)
+                began, stamp = time.monotonic(), None
+                while stamp is None and time.monotonic() - began < 10.0:
+                    stamp = box.try_read(params, worker.ready)
+                assert stamp is not None, f"worker {box.worker}: no read within 10 s of its push"
+                assert torch.all(params == stamp.version), "a read mixed two published versions"
+                assert stamp.version > pushed_from  # its push was dealt with before the version it reads
+                worker.begin(stamp)
+            assert pull(worker, box, params).done
+
+
 @pytest.mark.parametrize("name", ["ssp", "bsp"])
 def test_an_ssp_worker_reads_its_next_version_before_its_push_lands(comm, name):
     """Issue 33, item 3: under SSP (bound 1, `stream=True`, no `patience`) the servers send every version as it is
