@@ -70,6 +70,7 @@ EPOCH = re.compile(r"epoch (\d+)/\d+: loss \S+, test accuracy ([0-9.]+) at ([0-9
 FINAL = re.compile(r"test accuracy: ([0-9.]+)")
 DROPPED = re.compile(r"gradients dropped: (\d+)")
 CAUGHT_UP = re.compile(r"rounds caught up: (\d+)")
+BATCHES = re.compile(r"batches per worker: ([0-9, ]+) in ([0-9.]+) s")
 
 
 def have_horovod() -> bool:
@@ -114,17 +115,21 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
         argv = [str(BIN / "mpiexec"), "-n", str(ranks - 1), *command, ":", "-n", "1", "sh", "-c", join, "sh", *command]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     run: dict[str, Any] = {"side": side, "scenario": scenario, "repeat": repeat, "load_before": os.getloadavg()}
+    held = throttled() if scenario == "busy-host" else None
     start = time.monotonic()
     try:
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {**run, "ok": False, "error": f"no end within {args.timeout} s"}
     run["wall_s"] = time.monotonic() - start
+    if held is not None:  # the seconds node2's processes were stopped by their CPU quota: whether the hold bit
+        run["throttled_s"] = throttled() - held
     final = FINAL.findall(proc.stdout)
     if proc.returncode != 0 or not final:
         return {**run, "ok": False, "error": (proc.stderr or proc.stdout)[-600:]}
     epochs = [(float(t), float(a)) for _, a, t in EPOCH.findall(proc.stdout)]
     dropped, caught_up = DROPPED.findall(proc.stdout), CAUGHT_UP.findall(proc.stdout)
+    batches = BATCHES.findall(proc.stdout)
     return {
         **run,
         "ok": True,
@@ -132,6 +137,9 @@ def launch(side: str, scenario: str, repeat: int, args: argparse.Namespace, horo
         "final": float(final[-1]),
         "dropped": int(dropped[-1]) if dropped else 0,
         "caught_up": int(caught_up[-1]) if caught_up else 0,
+        # Each worker's steps and the seconds of the training loop (worker 0's clock): the per-worker rates.
+        "batches": [int(b) for b in batches[-1][0].split(",")] if batches else None,
+        "loop_s": float(batches[-1][1]) if batches else None,
     }
 
 
@@ -170,6 +178,13 @@ def _cgroup_root() -> tuple[Path, str]:
     if "cpu" in (v2 / "cgroup.controllers").read_text().split() if (v2 / "cgroup.controllers").is_file() else False:
         return v2, "cpu.max"
     raise SystemExit("horovod_stragglers: shared-core needs a cpu cgroup controller (/sys/fs/cgroup/cpu or cgroup v2)")
+
+
+def throttled() -> float:
+    """Seconds node2's cgroup (`scripts/cluster.py cpu`) has spent throttled by its quota so far."""
+    root, _ = _cgroup_root()
+    stat = dict(line.split() for line in (root / f"collsync-cluster-{SLOW_HOST}" / "cpu.stat").read_text().splitlines())
+    return int(stat["throttled_time"]) / 1e9 if "throttled_time" in stat else int(stat["throttled_usec"]) / 1e6
 
 
 def cgroup_procs() -> Path:
@@ -375,6 +390,9 @@ def main() -> None:
         "their runs together (to --out, --table, --plot) and stop",
     )
     args = parser.parse_args()
+    for path in (args.out, args.table, args.plot):  # before the launches, not after them
+        if path is not None and not path.parent.is_dir():
+            raise SystemExit(f"horovod_stragglers: {path}: its folder {path.parent} does not exist")
     if args.replot:
         figure(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
         return

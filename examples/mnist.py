@@ -12,7 +12,8 @@ first N training and N test images (a quick run). `--compute`, `--straggle` and 
 benchmarks/horovod_stragglers.py: a batch's compute time slept, stragglers injected the same way whichever import
 line, and worker 0's test accuracy after each epoch. `--sampler torch` keeps torch's own DistributedSampler under
 collsync too (a Horovod script with only its import line changed); the default, `hvd`, is collsync's, which in the
-stream modes (async, ...) shares each epoch's batches by the workers' speed.
+stream modes (async, ...) shares each epoch's batches by the workers' speed: the last line says how many batches
+each worker took and how long the training loop ran.
 """
 
 from __future__ import annotations
@@ -181,9 +182,11 @@ def main() -> None:
     draws = random.Random(args.seed * 7919 + hvd.rank())  # the same delays whichever import line
     slow = args.straggle == "slow" and hvd.rank() == hvd.size() - 1
     start = time.perf_counter()
+    batches = 0  # this worker's steps: the same on every worker, except where the sampler shares batches by speed
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
+            batches += 1
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -195,12 +198,15 @@ def main() -> None:
             seen = f", test accuracy {evaluate(model, test):.4f} at {took:.3f} s" if args.every_epoch else ""
             print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}{seen}", flush=True)
 
+    took = time.perf_counter() - start
+    per_worker = hvd.allgather(torch.tensor([batches])).tolist()
     accuracy = evaluate(model, test)
     accuracy = hvd.allreduce(accuracy, op=hvd.Average)  # the workers' models differ under async modes
     counts = [float(getattr(optimizer, name, 0)) for name in ("dropped", "caught_up")]
     dropped, caught_up = hvd.allreduce(torch.tensor(counts), op=hvd.Sum).tolist()
     if hvd.rank() == 0:
         print(f"test accuracy: {accuracy.item():.4f} ({hvd.size()} workers, sync={args.sync})", flush=True)
+        print(f"batches per worker: {', '.join(map(str, per_worker))} in {took:.3f} s", flush=True)
         if args.sync == "backup":
             print(f"gradients dropped: {int(dropped)}, rounds caught up: {int(caught_up)}", flush=True)
 

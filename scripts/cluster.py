@@ -85,9 +85,19 @@ LAUNCH = """#!/bin/sh
 # Options before the host (ssh-style flags some launchers add) are skipped.
 while [ "${1#-}" != "$1" ]; do shift; done
 host=$1; shift
-# A host whose CPU is slowed (`cluster.py cpu`): the command joins its cgroup here, where /sys/fs/cgroup is mounted.
+# A host whose CPU is held (`cluster.py cpu`): the command joins its cgroup first. Called by a launcher inside the
+# first host's namespace, where `ip netns exec` hid /sys/fs/cgroup, it writes from the mount namespace of the process
+# that called the box's mpiexec (COLLSYNC_CLUSTER_CALLER, set there).
 cpu="$(dirname "$0")/../cpu/$host"
-if [ -f "$cpu" ]; then echo $$ > "$(cat "$cpu")"; fi
+if [ -f "$cpu" ]; then
+    procs=$(cat "$cpu")
+    if [ -w "$procs" ]; then
+        echo $$ > "$procs"
+    else
+        nsenter -t "${COLLSYNC_CLUSTER_CALLER:-1}" -m sh -c "echo $$ > '$procs'" ||
+            echo "launch: $host's processes not held to its CPU share" >&2
+    fi
+fi
 exec ip netns exec "$host" unshare -u sh -c 'hostname "$0"; exec sh -c "$*"' "$host" "$@"
 """
 MPICH = """#!/bin/sh
@@ -96,6 +106,7 @@ MPICH = """#!/bin/sh
 # kernel are the same for every namespace, and UCX's shm transports see one machine): tcp and self only, so that
 # ranks on different hosts talk over the hosts' links (which link models, cut and mend then act on).
 export UCX_TLS="${{UCX_TLS:-tcp,self}}"
+export COLLSYNC_CLUSTER_CALLER="${{COLLSYNC_CLUSTER_CALLER:-$PPID}}"  # outside the hosts' namespaces: see launch
 exec ip netns exec {head} unshare -u sh -c 'hostname {head}; exec "$@"' sh {mpiexec} -launcher rsh \\
     -launcher-exec {launch} "$@"
 """
@@ -104,6 +115,7 @@ OPENMPI = """#!/bin/sh
 # Open MPI refuses root without the two ALLOW variables and prints a warning per window from its UCX component.
 # --map-by slot: places ranks as --host's slot counts say (its default mapping, by package, put all on the first).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
+export COLLSYNC_CLUSTER_CALLER="${{COLLSYNC_CLUSTER_CALLER:-$PPID}}"  # outside the hosts' namespaces: see launch
 exec ip netns exec {head} unshare -u sh -c 'hostname {head}; exec "$@"' sh {mpirun} --prtemca plm_ssh_agent {launch} \\
     --oversubscribe --map-by slot "$@"
 """

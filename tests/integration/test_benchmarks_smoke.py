@@ -80,6 +80,8 @@ def _check(name: str, data: dict[str, Any]) -> None:
         block = data["summary"]["heavy"]
         assert set(block["sides"]) == {data["reference"], "backup"} and 0.0 < block["target"] <= 1.0
         assert all(0.0 <= row["final"]["median"] <= 1.0 for row in block["sides"].values())
+        for run in data["runs"]:  # each worker's steps and the loop's seconds, from the example's last line
+            assert len(run["batches"]) == 2 and all(b > 0 for b in run["batches"]) and run["loop_s"] > 0, run
     elif name.startswith("torch_stragglers"):
         assert "bsp" in data["modes"] and len(data["modes"]) >= 2
     else:
