@@ -38,6 +38,7 @@ markdown table for benchmarks/README.md is printed (and written to `--table`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -51,6 +52,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+# scripts/cluster.py (a script, not a package): the box's state and the cpu cgroups, shared-core's too.
+_spec = importlib.util.spec_from_file_location("cluster", ROOT / "scripts" / "cluster.py")
+assert _spec is not None and _spec.loader is not None
+CLUSTER = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(CLUSTER)
+
 EXAMPLE = ROOT / "examples" / "mnist.py"
 BIN = Path(sys.executable).parent
 SIDES = ["horovod", "bsp", "backup", "async", "psp", "ssp", "ssp-stream", "ssp-own", "specsync"]
@@ -170,44 +177,20 @@ def box(scenario: str, on: bool, share: float) -> None:
     cluster("cpu", SLOW_HOST, str(share) if on else "none")
 
 
-def _cgroup_root() -> tuple[Path, str]:
-    """The cpu controller's folder and its quota file: cgroup v1's `cpu` hierarchy, or v2's unified one."""
-    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
-    if (v1 / "cpu.cfs_quota_us").is_file():
-        return v1, "cpu.cfs_quota_us"
-    if "cpu" in (v2 / "cgroup.controllers").read_text().split() if (v2 / "cgroup.controllers").is_file() else False:
-        return v2, "cpu.max"
-    raise SystemExit("horovod_stragglers: shared-core needs a cpu cgroup controller (/sys/fs/cgroup/cpu or cgroup v2)")
-
-
 def throttled() -> float:
     """Seconds node2's cgroup (`scripts/cluster.py cpu`) has spent throttled by its quota so far."""
-    root, _ = _cgroup_root()
-    stat = dict(line.split() for line in (root / f"collsync-cluster-{SLOW_HOST}" / "cpu.stat").read_text().splitlines())
+    group = CLUSTER.cpu_controller()[0] / CLUSTER.cpu_group(SLOW_HOST)
+    stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
     return int(stat["throttled_time"]) / 1e9 if "throttled_time" in stat else int(stat["throttled_usec"]) / 1e6
 
 
 def cgroup_procs() -> Path:
-    return _cgroup_root()[0] / CGROUP / "cgroup.procs"
+    return CLUSTER.cpu_controller()[0] / CGROUP / "cgroup.procs"
 
 
 def shared_core(share: float | None) -> None:
     """Make the shared-core cgroup holding its processes to `share` of one core (None: remove it)."""
-    root, quota = _cgroup_root()
-    folder = root / CGROUP
-    if share is None:
-        if folder.is_dir():
-            folder.rmdir()
-        return
-    try:
-        folder.mkdir(exist_ok=True)
-        period = 100_000
-        value = str(int(share * period)) if quota == "cpu.cfs_quota_us" else f"{int(share * period)} {period}"
-        (folder / quota).write_text(value)
-    except OSError as exc:
-        raise SystemExit(
-            f"horovod_stragglers: shared-core: cannot set a CPU quota in {folder} ({exc}): root only"
-        ) from None
+    CLUSTER.hold(CGROUP, share)
 
 
 def time_to(epochs: list[list[float]], target: float) -> float | None:

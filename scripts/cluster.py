@@ -324,28 +324,47 @@ def cpu_controller() -> tuple[Path, str]:
     sys.exit("cluster: cpu needs a cpu cgroup controller (/sys/fs/cgroup/cpu, or cgroup v2 with cpu enabled)")
 
 
-def set_cpu(host: str, share: float | None) -> None:
-    """Hold every process started on `host` from now on to `share` of one core (a cgroup CPU quota; DIR/bin/launch
-    moves each into it), or (None) start them unheld again and remove the cgroup once its processes ended."""
+def hold(name: str, share: float | None) -> Path:
+    """The cgroup `name` under the cpu controller, its processes held to `share` of one core (made if need be), or
+    (None) removed once its processes ended; its folder. Also benchmarks/horovod_stragglers.py's shared-core."""
     root, quota = cpu_controller()
-    group, marker = root / f"collsync-cluster-{host}", DIR / "cpu" / host
+    group = root / name
     if share is None:
-        marker.unlink(missing_ok=True)
         try:
             group.rmdir()
         except FileNotFoundError:
             pass
         except OSError as exc:
-            print(f"cluster: {group} kept ({exc}: processes of {host} still in it)")
+            print(f"cluster: {group} kept ({exc}: processes still in it)")
+        return group
+    if not 0 < share <= 1:
+        sys.exit(f"cluster: cpu {name} {share}: the share of one core must be in (0, 1]")
+    period = 100_000
+    try:
+        group.mkdir(exist_ok=True)
+        (group / quota).write_text(
+            str(int(share * period)) if quota == "cpu.cfs_quota_us" else f"{int(share * period)} {period}"
+        )
+    except OSError as exc:
+        sys.exit(f"cluster: cannot set a CPU quota in {group} ({exc}): root only")
+    return group
+
+
+def cpu_group(host: str) -> str:
+    """The name of the cgroup `set_cpu` holds `host`'s processes in."""
+    return f"collsync-cluster-{host}"
+
+
+def set_cpu(host: str, share: float | None) -> None:
+    """Hold every process started on `host` from now on to `share` of one core (a cgroup CPU quota; DIR/bin/launch
+    moves each into it), or (None) start them unheld again and remove the cgroup once its processes ended."""
+    marker = DIR / "cpu" / host
+    if share is None:
+        marker.unlink(missing_ok=True)
+        hold(cpu_group(host), None)
         print(f"cluster: {host}'s CPU: unheld")
         return
-    if not 0 < share <= 1:
-        sys.exit(f"cluster: cpu {host} {share}: the share of one core must be in (0, 1]")
-    period = 100_000
-    group.mkdir(exist_ok=True)
-    (group / quota).write_text(
-        str(int(share * period)) if quota == "cpu.cfs_quota_us" else f"{int(share * period)} {period}"
-    )
+    group = hold(cpu_group(host), share)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(group / "cgroup.procs"))
     print(f"cluster: {host}'s CPU: {share:g} of one core for every process started there ({group})")
