@@ -11,6 +11,7 @@ The simulator drives the same `Worker` and `Server` from its event queue; MPI ru
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from collsync.flat import FlatModel
 from collsync.lost import LOST_POLL_S, close_serving, lose_silent, stuck_message, until_silent
-from collsync.policy import SyncPolicy
+from collsync.policy import USUAL_FROM, USUAL_OF, SyncPolicy
 from collsync.runtime import Collective, ServingMailbox, WorkerMailbox
 from collsync.server import Server
 from collsync.specsync import Aborted
@@ -70,6 +71,8 @@ class Worker:
         self._rng = random.Random(self.seed * 1_000_003 + self.rank)
         self._began = 0.0  # when the gradient under way was started (`begin`)
         self._fresh_by: float | None = None  # until when it holds out for the version its last push makes
+        self._pushed_at: float | None = None  # when its last push went (the wait for that version counts from it)
+        self._waits: list[float] = []  # the waits for the fresh version over its last `USUAL_OF` pushes (`usual`)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this worker is (plain types, for a checkpoint): its round, version, count and coin stream."""
@@ -83,6 +86,8 @@ class Worker:
             "rng": [rng[0], list(rng[1]), rng[2]],
             "began": self._began,
             "fresh_by": self._fresh_by,
+            "pushed_at": self._pushed_at,
+            "waits": list(self._waits),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,6 +96,7 @@ class Worker:
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
         self._began, self._fresh_by = float(state.get("began", 0.0)), state.get("fresh_by")
+        self._pushed_at, self._waits = state.get("pushed_at"), [float(w) for w in state.get("waits", [])]
 
     def will_fetch(self) -> bool:
         """Fetch at this opportunity? The policy's `transmit` decides (B-FASGD); always without one, and for a
@@ -122,6 +128,8 @@ class Worker:
         behind a slow link the wait is a fraction of a round, never a round trip, and on one host most rounds are
         fresh (ssp's default rule, `rules.lookahead`, steps a round lr / max(1, its staleness): a stale round moves
         the parameters less, and eager streaming cost the Fashion-MNIST CNN 4.8 points; benchmarks/README.md).
+        With `policy.usual` u it holds out at least u times the median of its last waits for that version (`_waited`):
+        a lag every round has, such as a round trip behind a slow link, is waited for, and only an unusual one is not.
         """
         if self._fresh_by is None or stamp.version > self.clock or self.now() >= self._fresh_by:
             return None
@@ -129,13 +137,25 @@ class Worker:
 
     def begin(self, stamp: Stamp, fetched: bool = True) -> int:
         """Start a gradient on parameters at `stamp` (or, a fetch skipped, on those it had); returns its round."""
-        self._began, self._fresh_by = self.now(), None
+        now = self.now()
+        self._waited(stamp, now)
+        self._began, self._fresh_by, self._pushed_at = now, None, None
         self.signal = stamp.signal
         if fetched:
             self.clock = self.policy.next_clock(self.clock, stamp.version)
             self.version = stamp.version
             self.fetches += 1
         return self.clock
+
+    def _waited(self, stamp: Stamp, now: float) -> None:
+        """Remember how long the version its last push makes took to come (`usual`): the wait, where it came in
+        time (a newer version than its round), else twice what it held out (it came later: the next hold doubles
+        until a lag every round has is covered, while a lag of a few rounds in `USUAL_OF` leaves the median alone)."""
+        if self.policy.usual is None or self._pushed_at is None or self._fresh_by is None:
+            return
+        came = stamp.version > self.clock
+        self._waits.append(now - self._pushed_at if came else 2.0 * (self._fresh_by - self._pushed_at))
+        del self._waits[:-USUAL_OF]
 
     def restart(self, stamp: Stamp) -> int:
         """SpecSync (004_... Alg. 2, worker lines 5-7): the gradient under way was aborted on a re-sync; start the
@@ -153,7 +173,10 @@ class Worker:
         patience = self.policy.patience
         if patience is not None:
             end = self.now() if done_at is None else done_at
-            self._fresh_by = end + patience * max(0.0, end - self._began)
+            hold = patience * max(0.0, end - self._began)
+            if self.policy.usual is not None and len(self._waits) >= USUAL_FROM:
+                hold = max(hold, self.policy.usual * statistics.median(self._waits))
+            self._fresh_by, self._pushed_at = end + hold, end
         push = self.will_push()
         self.steps += 1
         return Arrival(self.rank, self.version, grad if push else None, self.clock)

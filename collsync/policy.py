@@ -115,12 +115,17 @@ class SyncPolicy:
     # Streaming: how long a worker that pushed round c holds out for the version that round makes, as a fraction of
     # the seconds its gradient took (`loops.Worker.ready`); None: not at all (the newest version its bound allows).
     patience: float | None = None
+    # Streaming: and at least `usual` times the median wait that version took over the worker's last `USUAL_OF`
+    # pushes (`loops.Worker.holds_out`); None: `patience` alone.
+    usual: float | None = None
 
     def __post_init__(self) -> None:
         if self.stream and not (self.rounds and self.max_lead and self.speculation is None):
             raise ValueError(f"{self.name}: stream=True needs SSP's rounds with max_lead >= 1")
         if self.patience is not None and not (self.stream and self.patience >= 0):
             raise ValueError(f"{self.name}: patience={self.patience!r} must be >= 0, and only with stream=True")
+        if self.usual is not None and not (self.patience is not None and self.usual >= 0):
+            raise ValueError(f"{self.name}: usual={self.usual!r} must be >= 0, and only with a patience")
         if self.backups < 0:
             raise ValueError(f"{self.name}: backups={self.backups} must be >= 0")
         if self.quorum is not None and self.quorum < 1:
@@ -259,6 +264,10 @@ class SyncPolicy:
 # What `sync.on_lost` may say (None: the policy's default, see `SyncPolicy.tolerates`).
 ON_LOST = (None, "continue", "stop")
 
+# How many of a streaming worker's last pushes its usual wait for the fresh version is the median of (`usual`).
+USUAL_OF = 16
+USUAL_FROM = 4  # and from how many on (one wait of the first few is not yet what is usual)
+
 
 def bsp(deadline: float | None = DEADLINE, on_lost: str | None = None) -> SyncPolicy:
     """Bulk-synchronous: every worker, every round; the mean of all n gradients."""
@@ -319,6 +328,7 @@ def ssp(
     on_lost: str | None = None,
     stream: bool = True,
     patience: float | None = 0.5,
+    usual: float | None = 1.5,
 ) -> SyncPolicy:
     """Stale-synchronous parallel (004_... §II-C): a worker may run at most `max_lead` rounds ahead of the slowest.
 
@@ -329,13 +339,20 @@ def ssp(
     round c need not wait for its own push to land: push and pull cross, a round trip less a round behind a slow
     link. `patience` p: it first holds out for the version its push makes (round c applied) for at most p times the
     seconds its gradient took, then computes round c + 1 on the newest version its bound allows
-    (`loops.Worker.holds_out`). On one host the round is mostly complete within that, and the round is fresh; behind
-    a slow link the wait is a fraction of a compute, not a round trip. Measured (benchmarks/README.md, "SSP holds out
-    for the fresh version"): with a host behind a 5 ms link (digits MLP, 5 runs) 1.76x sooner than Horovod, against
-    2.37x with `patience=None` (never wait: every round a full `max_lead` stale) and 0.84x with `stream=False`; on
-    the Fashion-MNIST CNN (3 seeds) +1.5 points against Horovod without stragglers and -0.8 with heavy-tailed ones,
-    where `patience=None` ended -4.8 (one seed at chance) and `stream=False` -1.2 to -1.8. `stream=False`: a worker
-    reads its own writes (the first version its bound allows once the server took its push), `patience` unused.
+    (`loops.Worker.holds_out`). On one host the round is mostly complete within that, and the round is fresh.
+    `usual` u: it holds out at least u times the median wait that version took over its last `USUAL_OF` pushes (a
+    wait it gave up on counts as twice what it held out), so a lag every round has (a host behind a slow link, a
+    worker slower every round) is waited for and only an unusual one is skipped. Without it, behind a 5 ms link every
+    round of every worker was a round stale (the fresh version came a few ms after p x compute), and the
+    Fashion-MNIST CNN at Horovod's lr x n and momentum 0.9 diverged (one seed of two at chance, the other -2.8
+    points; delayed heavy ball is stable only to an lr about 12x smaller, `rules.lookahead`); with it every round is
+    fresh there and SSP runs as fast as BSP (benchmarks/README.md, "SSP waits for the usual").
+    Measured before it (benchmarks/README.md, "SSP holds out for the fresh version"): with a host behind a 5 ms link
+    (digits MLP, 5 runs) 1.76x sooner than Horovod, against 2.37x with `patience=None` (never wait: every round a
+    full `max_lead` stale) and 0.84x with `stream=False`; on the Fashion-MNIST CNN (3 seeds) +1.5 points against
+    Horovod without stragglers and -0.8 with heavy-tailed ones, where `patience=None` ended -4.8 (one seed at
+    chance) and `stream=False` -1.2 to -1.8. `stream=False`: a worker reads its own writes (the first version its
+    bound allows once the server took its push), `patience` unused.
     At `max_lead=0` (BSP) neither applies.
     """
     return SyncPolicy(
@@ -347,6 +364,7 @@ def ssp(
         on_lost=on_lost,
         stream=stream and max_lead >= 1,  # bound 0 is BSP: nothing older than the fresh version to compute on
         patience=patience if stream and max_lead >= 1 else None,
+        usual=usual if stream and max_lead >= 1 and patience is not None else None,
     )
 
 

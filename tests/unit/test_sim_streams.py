@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from collsync.policy import bsp, ssp
+from collsync.policy import USUAL_FROM, bsp, ssp
 from collsync.rules import sgd
 from collsync.server import Server
 from collsync.sim import Simulator
@@ -69,7 +69,7 @@ def test_with_patience_a_late_push_holds_the_next_round_that_long_at_most():
     """Every push 0.5 s late, compute 1 s, patience 0.25: a worker holds out 0.25 s for the version its push makes
     (it comes 0.5 s after its compute), then computes on the one its bound allows: rounds of 1.25 s, between
     streaming's 1 s and reading its own writes' 1.5 s, each of them a round stale."""
-    held, _ = starts(ssp(1, stream=True, patience=0.25), 0.5)
+    held, _ = starts(ssp(1, stream=True, patience=0.25, usual=None), 0.5)
     gaps = [b["t"] - a["t"] for a, b in zip(held[2:], held[3:], strict=False)]
     assert gaps and all(g == pytest.approx(1.25) for g in gaps), gaps
     assert all(e["clock"] - e["version"] == 1 for e in held[2:]), held
@@ -84,9 +84,41 @@ def test_with_patience_the_workers_wait_for_a_slightly_slower_one_and_compute_fr
     assert all(e["clock"] == e["version"] for e in fresh), fresh
 
 
+def test_with_usual_a_lag_every_round_has_is_waited_for_and_every_round_is_fresh():
+    """Every push 0.5 s late, compute 1 s, patience 0.25, `usual` 1.5 (ssp's default): the first holds give up
+    (each counts as 0.5 s, twice the 0.25 s held); once `USUAL_FROM` waits are known it holds out 1.5 x 0.5 s, and
+    from then on every round waits for the version its push makes: rounds of 1.5 s (compute, then the push's way),
+    each fresh, where `usual=None` computes every round a round stale (the lag that made the Fashion-MNIST CNN
+    diverge behind a slow link)."""
+    held, _ = starts(ssp(1, stream=True, patience=0.25), 0.5)
+    assert ssp(1).usual == 1.5
+    learnt = USUAL_FROM + 1  # the starts before the first hold that counts the usual wait
+    gaps = [b["t"] - a["t"] for a, b in zip(held[learnt:], held[learnt + 1 :], strict=False)]
+    assert gaps and all(g == pytest.approx(1.5) for g in gaps), gaps
+    assert all(e["clock"] == e["version"] for e in held[learnt:]), held
+    stale, _ = starts(ssp(1, stream=True, patience=0.25, usual=None), 0.5)
+    assert all(e["clock"] - e["version"] == 1 for e in stale[learnt:]), stale
+
+
+def test_an_unusual_lag_is_not_waited_for_longer_than_patience():
+    """One push in twenty 3 s late, compute 1 s: the usual wait is none, so `usual` holds out no longer than
+    `patience` alone on the late ones (a wait given up counts, but a few in `USUAL_OF` leave the median at 0): the
+    same starts, at the same times and versions, as `usual=None`."""
+    rare = Stragglers(delay_prob=0.05, delay=3.0)
+    usual, _ = starts(ssp(1, stream=True, patience=0.5), 0.0, rare)
+    alone, _ = starts(ssp(1, stream=True, patience=0.5, usual=None), 0.0, rare)
+    assert [(e["t"], e["version"]) for e in usual] == [(e["t"], e["version"]) for e in alone]
+    assert any(e["clock"] > e["version"] for e in usual), "no round went stale: the lag was never unusual"
+
+
 def test_patience_is_for_streams_only():
     assert ssp(1, stream=False, patience=0.5).patience is None  # the factory drops it: nothing to hold out for
     with pytest.raises(ValueError, match="patience"):
         replace(ssp(1, stream=True), patience=-1.0)
     with pytest.raises(ValueError, match="patience"):
         replace(ssp(1, stream=False), patience=0.5)
+    assert ssp(1, patience=None).usual is None and ssp(1, stream=False).usual is None  # nothing to hold out for
+    with pytest.raises(ValueError, match="usual"):
+        replace(ssp(1), usual=-1.0)
+    with pytest.raises(ValueError, match="usual"):
+        replace(ssp(1, patience=None), usual=1.5)
