@@ -154,7 +154,8 @@ class Worker:
         if self.policy.usual is None or self._pushed_at is None or self._fresh_by is None:
             return
         came = stamp.version > self.clock
-        self._waits.append(now - self._pushed_at if came else 2.0 * (self._fresh_by - self._pushed_at))
+        # max(0, ...): a wall clock restarted with the process (a resume) must not make a wait negative.
+        self._waits.append(max(0.0, now - self._pushed_at if came else 2.0 * (self._fresh_by - self._pushed_at)))
         del self._waits[:-USUAL_OF]
 
     def restart(self, stamp: Stamp) -> int:

@@ -23,6 +23,14 @@ Why: without the look-ahead an SSP run at the lr of synchronous rounds and momen
 momentum of its own, Mitliagkas et al., 2016); looking ahead only to the version the gradient is applied at (D(d),
 one momentum step short of DANA's) left the digits CNN (4 workers, bound 1, 20 epochs, simulator, seeds 0-4) 1.3
 points below BSP at the median and 4 at worst; through the update it enters, 0.5 and 2 (benchmarks/README.md).
+
+What it cannot do: make a round that is stale every time as stable as a fresh one. On a quadratic of curvature h
+(the linear analysis of the recurrence above, every round stale by d = 1, gamma = 0.9) heavy ball is stable for
+eta h < 2 (1 + gamma) = 3.8 with fresh rounds, for eta h < 0.105 with rounds one stale, and with this view at D(2) for
+eta h < 0.30, the best of any fixed view distance (a scan of D from 0 to 9 peaks there); dividing by tau does not
+reach it at d = 1. A run whose sharpness sits where its fresh rounds keep it diverges once every round goes stale:
+the Fashion-MNIST CNN did, at Horovod's lr x n, behind a 5 ms link. So SSP's workers wait for a lag every round has
+(`policy.ssp`'s `usual`) and go stale only on an unusual one.
 """
 
 from __future__ import annotations

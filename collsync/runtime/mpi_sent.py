@@ -16,7 +16,8 @@ server sends it (`policy.Sent`):
   before its push arrived (the round before's), so push and pull cross on the way instead of following each
   other, and a worker behind a slow link computes on instead of waiting a round trip a round. A version already
   held serves again where the bound allows it. With `policy.patience` (ssp's default) the worker first holds out
-  for the version its push makes (`loops.Worker.holds_out`): its reads poll, so a held version becomes `ready`
+  for the version its push makes (`loops.Worker.holds_out`; with `policy.usual`, as long as that version usually
+  takes): its reads poll, so a held version becomes `ready`
   once the wait is over, with nothing asked of the server.
 
 On the worker's side the receive is posted beforehand into one of two buffers (a newer version may come while the

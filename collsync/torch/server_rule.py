@@ -169,6 +169,8 @@ def server_momentum(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> d
 # async's penalty where the script names none and the servers made DANA of its momentum SGD: collsync-train's
 # default pair (conf/optimizer/dana_ga_round.yaml), so both fronts build the same rule.
 ASYNC_PENALTY = "gap_aware_round"
+# The modes that get it: async, and SpecSync over ASP, which is async with re-syncs (its workers' gradients as stale).
+ASYNC_MODES = ("async", "specsync")
 GAP_PENALTIES = ("gap_aware", ASYNC_PENALTY)
 
 
@@ -176,19 +178,24 @@ def penalty_for(config: SyncConfig, rule: dict[str, Any]) -> dict[str, Any] | No
     """The penalty the servers apply with `rule` (as `rule_for` made it), as a config node (None: none).
 
     The penalty the script gave (`sync_config(penalty=...)`, `penalty="none"` included), fitted to the rule by
-    `server_penalty`. Where it gave none, the mode is async and the servers made DANA of the torch optimizer
+    `server_penalty`. Where it gave none, the mode is async (or SpecSync over ASP, async with re-syncs) and the
+    servers made DANA of the torch optimizer
     (`server_momentum`; not a rule named by `rule=`, which is collsync-train's `optimizer=`), DANA-GA (001_...
     Alg. 8) with the Gap counted in rounds of N = workers updates, `conf/penalty/gap_aware_round.yaml`:
 
         G = |theta_k - theta_read| / C + 1,    C = N eta_max sqrt(m_hat) + eps,    eta_max = the server's lr,
 
     i.e. Alg. 14 at eta_max = N x the per-gradient lr (`server_lr`): the lr of the script's synchronous rounds.
-    collsync-train's `sync=async` composes the same pair, so both fronts build the same rule.
+    collsync-train's `sync=async` composes the same pair, so both fronts build the same rule. SpecSync over ASP got
+    plain DANA before: on the Fashion-MNIST CNN with one worker 3x slower it ended 0.8 points below Horovod (median of
+    5), with the Gap 1.0 above (3 repeats; 8 runs of seeds 0-4 at 0.839-0.856), other scenarios within their spread
+    (benchmarks/README.md, "SpecSync with async's Gap").
     """
     from collsync.torch.config import _penalty_node  # lazily: config imports this module
 
     penalty = config.penalty
-    if penalty is None and config.rule is None and config.policy.name == "async" and rule.get("_target_") == DANA:
+    one_at_a_time = config.policy.name in ASYNC_MODES and not config.policy.rounds  # not SpecSync over SSP
+    if penalty is None and config.rule is None and one_at_a_time and rule.get("_target_") == DANA:
         penalty = _penalty_node(ASYNC_PENALTY, {})
     return server_penalty(penalty, rule)
 
