@@ -391,7 +391,11 @@ def main() -> None:
         sides.remove("horovod")
     reference = "horovod" if "horovod" in sides else "bsp"
     if reference not in sides:
-        raise SystemExit(f"horovod_stragglers: the reference side {reference} is not among --sides")
+        raise SystemExit(
+            f"horovod_stragglers: no reference side among --sides {' '.join(sides)}: add horovod (or bsp where "
+            "Horovod is not installed); every time and accuracy is measured against it in the same run"
+            + (" (Horovod is not installed here)" if missing else "")
+        )
     runs = []
     if not 0 < args.core_share <= 1:
         raise SystemExit(f"horovod_stragglers: --core-share {args.core_share}: must be in (0, 1]")

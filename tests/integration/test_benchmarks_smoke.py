@@ -161,3 +161,12 @@ def test_horovod_stragglers_merges_more_repeats_of_a_saved_measurement(tmp_path:
     assert ssp["final"] == {"median": 0.7, "min": 0.7, "max": 0.9}  # repeats 0-1 at 0.9, 2-4 (the later file) 0.7
     refused = subprocess.run([*script, str(first), str(other)], capture_output=True, text=True)
     assert refused.returncode != 0 and "measured something else (epochs)" in refused.stderr
+
+
+def test_horovod_stragglers_refuses_sides_without_a_reference_before_launching() -> None:
+    """Every ratio is against Horovod (or bsp) in the same run: sides without either are refused at once, naming
+    what to add, instead of launching and failing at the summary."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "horovod_stragglers.py"), "--sides", "specsync", "ssp"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "no reference side among --sides specsync ssp: add horovod (or bsp" in proc.stderr, proc.stderr[-2000:]
