@@ -169,8 +169,6 @@ def server_momentum(rule: dict[str, Any], policy: SyncPolicy, workers: int) -> d
 # async's penalty where the script names none and the servers made DANA of its momentum SGD: collsync-train's
 # default pair (conf/optimizer/dana_ga_round.yaml), so both fronts build the same rule.
 ASYNC_PENALTY = "gap_aware_round"
-# The modes that get it: async, and SpecSync over ASP, which is async with re-syncs (its workers' gradients as stale).
-ASYNC_MODES = ("async", "specsync")
 GAP_PENALTIES = ("gap_aware", ASYNC_PENALTY)
 
 
@@ -194,8 +192,8 @@ def penalty_for(config: SyncConfig, rule: dict[str, Any]) -> dict[str, Any] | No
     from collsync.torch.config import _penalty_node  # lazily: config imports this module
 
     penalty = config.penalty
-    one_at_a_time = config.policy.name in ASYNC_MODES and not config.policy.rounds  # not SpecSync over SSP
-    if penalty is None and config.rule is None and one_at_a_time and rule.get("_target_") == DANA:
+    # DANA is made only where every update is one gradient (`server_momentum`): async and SpecSync over ASP.
+    if penalty is None and config.rule is None and rule.get("_target_") == DANA:
         penalty = _penalty_node(ASYNC_PENALTY, {})
     return server_penalty(penalty, rule)
 
