@@ -73,6 +73,10 @@ class Worker:
         self._fresh_by: float | None = None  # until when it holds out for the version its last push makes
         self._pushed_at: float | None = None  # when its last push went (the wait for that version counts from it)
         self._waits: list[float] = []  # the waits for the fresh version over its last `USUAL_OF` pushes (`usual`)
+        # Of the last `USUAL_OF` versions it read, whether its own push completed the round (`Stamp.closer`), and the
+        # newest version counted.
+        self._closed: list[bool] = []
+        self._seen = -1
 
     def state_dict(self) -> dict[str, Any]:
         """Where this worker is (plain types, for a checkpoint): its round, version, count and coin stream."""
@@ -88,6 +92,8 @@ class Worker:
             "fresh_by": self._fresh_by,
             "pushed_at": self._pushed_at,
             "waits": list(self._waits),
+            "closed": list(self._closed),
+            "seen": self._seen,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -97,6 +103,7 @@ class Worker:
         self._rng.setstate((version, tuple(internal), gauss))
         self._began, self._fresh_by = float(state.get("began", 0.0)), state.get("fresh_by")
         self._pushed_at, self._waits = state.get("pushed_at"), [float(w) for w in state.get("waits", [])]
+        self._closed, self._seen = [bool(c) for c in state.get("closed", [])], int(state.get("seen", -1))
 
     def will_fetch(self) -> bool:
         """Fetch at this opportunity? The policy's `transmit` decides (B-FASGD); always without one, and for a
@@ -130,6 +137,9 @@ class Worker:
         the parameters less, and eager streaming cost the Fashion-MNIST CNN 4.8 points; benchmarks/README.md).
         With `policy.usual` u it holds out at least u times the median of its last waits for that version (`_waited`):
         a lag every round has, such as a round trip behind a slow link, is waited for, and only an unusual one is not.
+        Not by the worker the rounds wait on (`closes`): its wait is its own push's way to the server and the
+        version's way back, which every round would then take on top of its compute; it holds out `patience` alone
+        and computes on the version before, one worker's gradient a round stale instead of every round slower.
         """
         if self._fresh_by is None or stamp.version > self.clock or self.now() >= self._fresh_by:
             return None
@@ -139,6 +149,10 @@ class Worker:
         """Start a gradient on parameters at `stamp` (or, a fetch skipped, on those it had); returns its round."""
         now = self.now()
         self._waited(stamp, now)
+        if stamp.version > self._seen and stamp.closer >= 0:
+            self._seen = stamp.version
+            self._closed.append(stamp.closer == self.rank)
+            del self._closed[:-USUAL_OF]
         self._began, self._fresh_by, self._pushed_at = now, None, None
         self.signal = stamp.signal
         if fetched:
@@ -158,6 +172,12 @@ class Worker:
         self._waits.append(max(0.0, now - self._pushed_at if came else 2.0 * (self._fresh_by - self._pushed_at)))
         del self._waits[:-USUAL_OF]
 
+    def closes(self) -> bool:
+        """Whether the rounds wait on this worker: its push completed more than half of the last versions it read
+        (of `USUAL_OF`, from `USUAL_FROM` on). Behind a slow link that worker's push is the last to come every
+        round; on one host the slowest worker's, whose wait for the version is then a moment."""
+        return len(self._closed) >= USUAL_FROM and 2 * sum(self._closed) > len(self._closed)
+
     def restart(self, stamp: Stamp) -> int:
         """SpecSync (004_... Alg. 2, worker lines 5-7): the gradient under way was aborted on a re-sync; start the
         same batch over on the fresher parameters at `stamp`. Its round stays (a round policy's gradient is still for
@@ -175,7 +195,7 @@ class Worker:
         if patience is not None:
             end = self.now() if done_at is None else done_at
             hold = patience * max(0.0, end - self._began)
-            if self.policy.usual is not None and len(self._waits) >= USUAL_FROM:
+            if self.policy.usual is not None and len(self._waits) >= USUAL_FROM and not self.closes():
                 hold = max(hold, self.policy.usual * statistics.median(self._waits))
             self._fresh_by, self._pushed_at = end + hold, end
         push = self.will_push()

@@ -99,6 +99,9 @@ class Server:
         self.contributed = [0] * workers  # the last update each worker's gradient was part of (0: none yet)
         self.lost: list[int] = []  # workers lost (`lose`), in the order they were
         self.away: frozenset[int] = frozenset()  # PSP: workers in another collective of their script (`pushing`)
+        # The worker whose push completed the last update (`Stamp.closer`); -1 where a timeout, a loss or a change
+        # of the quorum did.
+        self.closer = -1
         if self.needs_read:
             self._history[0] = self.view().clone()
 
@@ -113,7 +116,7 @@ class Server:
         self.drain()
 
     def stamp(self) -> Stamp:
-        return Stamp(self.version, self.done, self.signal)
+        return Stamp(self.version, self.done, self.signal, self.closer)
 
     def _optimizer_stats(self) -> dict[str, float]:
         return self.optimizer.stats(self.opt_state) if self.optimizer.stats is not None else {}
@@ -162,7 +165,7 @@ class Server:
             )
         key = arrival.clock if self.policy.rounds else -1
         self.pending.setdefault(key, []).append(arrival)
-        self._advance()
+        self._advance(arrival.worker)
         return True
 
     def lose(self, worker: int, rank: int | None = None, host: str | None = None) -> bool:
@@ -248,6 +251,7 @@ class Server:
         if not batch or self.done or (self.policy.rounds and len(batch) < self.quorum):
             self.pending.update({key: batch} if batch else {})
             return False
+        self.closer = -1
         self._apply(batch)
         self._advance()
         return True
@@ -263,10 +267,12 @@ class Server:
         """The buffer the current update collects into: its round, or -1 for a stream's one buffer."""
         return self.version if self.policy.rounds else -1
 
-    def _advance(self) -> None:
+    def _advance(self, closer: int = -1) -> None:
+        """Apply every update whose gradients are in; `closer`: the worker whose push came last (`Stamp.closer`)."""
         full = self.full
         while not self.done and len(self.pending.get(self._key(), ())) >= full:
             batch = self.pending.pop(self._key())
+            self.closer = closer
             self._apply(batch[:full])
             if batch[full:]:
                 self.pending[self._key()] = batch[full:]
@@ -313,6 +319,7 @@ class Server:
         """Apply an already averaged gradient (serverless allreduce: every rank's replica does this)."""
         for a in batch:
             self._note("push", worker=a.worker, clock=a.clock, version=a.version, staleness=self.version - a.version)
+        self.closer = -1
         # Copied only for an in-place optimizer; a pure one reads `mean` and leaves it alone.
         owned = mean if self.optimizer.update_ is None else self._owned(mean)
         self._step(owned, sorted(batch, key=lambda a: (a.worker, a.clock)))
@@ -335,6 +342,7 @@ class Server:
             workers=self.workers,
             read=self._history.get(first.version) if self.needs_read and len(batch) == 1 else None,
             aggregated=len(batch),
+            mean_staleness=sum(self.version - a.version for a in batch) / len(batch),
         )
         # `mean` is the server's own (see `_owned`): an in-place optimizer writes the delta over it.
         update = self.optimizer.update_ or self.optimizer.update

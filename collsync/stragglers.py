@@ -225,14 +225,15 @@ def slow_server(seconds: float = 1.0, shard: int = 0, mean: float = 1.0) -> Stra
 
 class OneSlow:
     """A deterministic straggler model for the simulator: the last of `workers` takes `factor` model seconds a batch,
-    the others 1 (no message delay, nobody frozen). The three-front agreement test and `benchmarks/backup_batches.py`
-    use it where a sleep on the MPI side must match the simulated clock."""
+    the others 1, and its pushes come `delay` seconds late (a host behind a slow link; the others' none); nobody is
+    frozen. The three-front agreement test and `benchmarks/backup_batches.py` use it where a sleep on the MPI side
+    must match the simulated clock."""
 
     class model:  # noqa: N801 - the attribute the simulator reads of a straggler model
         slow_server = 0.0
 
-    def __init__(self, workers: int, factor: float) -> None:
-        self.last, self.factor = workers - 1, factor
+    def __init__(self, workers: int, factor: float, delay: float = 0.0) -> None:
+        self.last, self.factor, self.delay = workers - 1, factor, delay
 
     def sampler(self, workers: int, seed: int) -> Any:
         return self
@@ -241,7 +242,7 @@ class OneSlow:
         return self.factor if worker == self.last else 1.0
 
     def message_delay(self, worker: int, index: int) -> float:
-        return 0.0
+        return self.delay if worker == self.last else 0.0
 
     def is_frozen(self, worker: int, now: float) -> bool:
         return False

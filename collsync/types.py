@@ -36,7 +36,9 @@ class Context(NamedTuple):
 
     `staleness` is the delay tau of 001_... (server updates since the worker read its parameters); `read` holds the
     parameters the worker read (only filled when a rule asks for them, see `Rule.needs_read`); `aggregated` is the
-    number of gradients averaged into this update (PSP's d, linear learning-rate scaling of 003_...).
+    number of gradients averaged into this update (PSP's d, linear learning-rate scaling of 003_...). For an update
+    of several gradients `staleness` is the oldest one's and `mean_staleness` their mean (None: one gradient, the
+    same as `staleness`).
     """
 
     step: int
@@ -45,13 +47,17 @@ class Context(NamedTuple):
     workers: int = 1
     read: Flat | None = None
     aggregated: int = 1
+    mean_staleness: float | None = None
 
 
 class Stamp(NamedTuple):
     """What a worker learns when it reads: the server version it got, whether training is over, and `signal`, a
     scalar the server's optimizer publishes to its workers (its `SIGNAL` statistic, `collsync.rules.base`; 0.0 when
-    it reports none). A policy's `Transmit` reads it: B-FASGD's chance to push or fetch follows FASGD's v."""
+    it reports none). A policy's `Transmit` reads it: B-FASGD's chance to push or fetch follows FASGD's v.
+    `closer`: the worker whose push completed the round that made this version (-1: none, e.g. a timeout closed
+    it, or the runtime does not say); ssp's hold reads it (`loops.Worker`: the worker the rounds wait on)."""
 
     version: int
     done: bool = False
     signal: float = 0.0
+    closer: int = -1

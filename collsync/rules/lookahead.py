@@ -12,7 +12,13 @@ DANA's look-ahead (001_... App. C.1, Alg. 6; Hakimi et al., "Taming momentum in 
 environment"), theta - eta gamma sum_j v_j, which moves every worker's momentum one step, the reader's own
 included: through the update its gradient enters (with one worker, Nesterov's gradient point). Here d is the
 rounds' own staleness; it is not known when the server publishes, so it is the running mean of the staleness the
-server has seen (`Context.staleness`, updates between a round's oldest read and its apply), or a fixed `horizon`.
+server has seen (`Context.mean_staleness`, a round's gradients' mean of the updates between their read and its
+apply), or a fixed `horizon`. The mean, not the oldest gradient's: with one worker of five a round stale in every
+round (ssp's worker behind a slow link, `loops.Worker.closes`) the oldest says 1 and the view would look a full
+round ahead for the four fresh gradients too; on the quadratic below (one fifth of the gradient a round stale) that
+view is stable for eta h < 1.4, the mean's (D(1.2)) for eta h < 2.0 (a scan of fixed views peaks at 2.5, D about
+0.6), and on the Fashion-MNIST CNN behind a slow link the mean's view ended 0.5 points above Horovod where the
+oldest's ended 1.3 below (benchmarks/README.md, "The worker the rounds wait on").
 While no round was stale (d = 0: BSP) the view is theta itself and the rule is `collsync.rules.momentum`, bit for bit.
 
 The step is Staleness-Aware's eta / tau (001_... Alg. 3, Zhang et al.), tau = max(1, the round's staleness): a
@@ -85,7 +91,8 @@ def lookahead(
         v <- gamma v + g;   delta = -(eta_k / tau) v  (NAG: -(eta_k / tau) (gamma v + g)),  tau = max(1, staleness);
         view = theta - (eta_k / tau) D(d + 1) v  (0 while d = 0),  D(d) = gamma (1 - gamma^d) / (1 - gamma)
             (NAG: gamma D(d + 1));
-        d <- rho d + (1 - rho) staleness   per update (`horizon` fixes d instead), rho = `smoothing`.
+        d <- rho d + (1 - rho) s   per update, s its gradients' mean staleness (`horizon` fixes d instead),
+            rho = `smoothing`.
 
     The update is `collsync.rules.momentum`'s own (in place) with the step divided by tau; this rule adds the
     estimate d and the view. Weight decay, warm-up and the step schedule are momentum's.
@@ -111,7 +118,10 @@ def lookahead(
         tau = staleness_tau(ctx)
         if tau > 1:  # x / 1 is x: BSP's rounds stay heavy ball's bit for bit
             delta.div_(tau)
-        d = state.horizon if horizon is not None else smoothing * state.horizon + (1 - smoothing) * ctx.staleness
+        # d: the mean of a round's gradients, not its oldest: one worker a round stale (behind a slow link, ssp's
+        # `Worker.closes`) reads best a short way ahead, the fresh ones' view (module docstring).
+        stale = ctx.staleness if ctx.mean_staleness is None else ctx.mean_staleness
+        d = state.horizon if horizon is not None else smoothing * state.horizon + (1 - smoothing) * stale
         return delta, LookaheadState(stepped.v, d, step_lr(lr, warmup, ctx.step, steps, lr_decay) / tau)
 
     def view(params: Flat, state: LookaheadState) -> Flat:

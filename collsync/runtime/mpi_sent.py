@@ -65,7 +65,7 @@ from collsync.types import Stamp
 if TYPE_CHECKING:
     from collsync.policy import Sent
 
-_HDR = 4  # version, done, signal (float64 bits), pushes dealt with
+_HDR = 5  # version, done, signal (float64 bits), pushes dealt with, closer (`Stamp.closer`)
 _DATA, _STAMP, _PUSH = 0, 1, 3  # a mailbox's tags (`Channel.tag`): parameters, their stamp, a push
 TAGS = _PUSH + 1  # the mailbox's channel holds tags 0 to the highest above
 # A push's header: flag (1: a gradient follows, 2: the header only), version, clock, and the deliveries its worker
@@ -222,7 +222,7 @@ class Outbox:
             if not (stamp.done or owed or (self.streams and stamp.version > self.delivered[w])):
                 continue
             head = self.stamps[w]
-            head[:] = (stamp.version, int(stamp.done), as_int(stamp.signal), self.dealt[w])
+            head[:] = (stamp.version, int(stamp.done), as_int(stamp.signal), self.dealt[w], stamp.closer)
             rank, buf = self.ranks[w], self.buffers[self.current]
             reqs = [
                 self.comm.Isend([head, self.MPI.INT64_T], rank, self.tag(_STAMP)),
@@ -293,12 +293,12 @@ class Inbox:
                 os.sched_yield()
         got = None
         while self.reqs and self.MPI.Request.Testall(self.reqs):
-            version, done, signal, dealt = (int(x) for x in self.head)
+            version, done, signal, dealt, closer = (int(x) for x in self.head)
             if self.counts is not None:
                 self.counts.data_bytes += int(self.head.nbytes + self.data.nbytes)
             self.data, self._filling = self._filling, self.data
             self.received += 1
-            self.last = Stamp(version, bool(done), as_float(signal))
+            self.last = Stamp(version, bool(done), as_float(signal), closer)
             if done or pushes is None or dealt >= pushes:
                 got = self.last
             self.reqs = self._post() if not done else []

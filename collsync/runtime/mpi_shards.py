@@ -141,9 +141,10 @@ class ShardedMailbox:
             if not s.done and fetch:
                 self.versions[j] = s.version
         # The round the worker may compute next follows the oldest block it just received; each shard's server
-        # publishes its own optimizer's signal, and the worker acts on their mean.
+        # publishes its own optimizer's signal, and the worker acts on their mean (and that oldest block's closer).
         signal = sum(s.signal for s in live.values()) / len(live)
-        return Stamp(min(s.version for s in live.values()), False, signal)
+        oldest = min(live.values(), key=lambda s: s.version)
+        return Stamp(oldest.version, False, signal, oldest.closer)
 
     def count(self, counts: RmaCounts) -> RmaCounts:
         """From now on count this worker's one-sided calls to every shard, and its polls, into `counts` (returned;

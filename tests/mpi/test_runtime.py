@@ -290,7 +290,8 @@ def test_an_ssp_worker_reads_its_next_version_before_its_push_lands(comm, name):
 def test_a_patient_ssp_worker_holds_out_for_the_version_its_push_makes_then_takes_the_one_it_holds(comm, case):
     """Issue 33/34: streaming with `patience` 0.5 (`loops.Worker.holds_out`), a worker whose gradient took 1 s (its
     own clock, set by hand) does not compute round 1 on version 0, which it holds, for 0.5 s after its push: it
-    takes version 1 if the server publishes it meanwhile ("fresh"), else version 0 once the 0.5 s are over ("held")."""
+    takes version 1 if the server publishes it meanwhile ("fresh"), else version 0 once the 0.5 s are over ("held").
+    The delivery carries the stamp's `closer` (the worker whose push completed the round: `Worker.closes`)."""
     if comm.Get_size() < 2:
         pytest.skip("a mailbox needs a server and at least one worker")
     policy = ssp(1, stream=True, patience=0.5)
@@ -302,7 +303,7 @@ def test_a_patient_ssp_worker_holds_out_for_the_version_its_push_makes_then_take
             if case == "fresh":
                 taken = [box.recv(timeout=30.0) for _ in range(workers)]
                 assert all(a is not None and a.clock == 0 for a in taken), taken
-                box.publish(torch.ones(numel, dtype=torch.float64), Stamp(1, False))
+                box.publish(torch.ones(numel, dtype=torch.float64), Stamp(1, False, 0.0, workers - 1))
             comm.Barrier()  # every worker took a version for round 1
             box.publish(torch.ones(numel, dtype=torch.float64), Stamp(2, True))
             box.close(timeout=30.0)
@@ -325,6 +326,7 @@ def test_a_patient_ssp_worker_holds_out_for_the_version_its_push_makes_then_take
             done = box.read(params, lambda s: s.done)  # the version held would serve round 2 again: wait for `done`
             assert first is None, first  # version 0 was held, and 1 s x 0.5 not over
             assert stamp is not None and stamp.version == (1 if case == "fresh" else 0), stamp
+            assert stamp.closer == (comm.Get_size() - 2 if case == "fresh" else -1), stamp
             assert float(params[0]) == (1.0 if case == "fresh" else 0.0)
             assert done.done
 

@@ -100,6 +100,33 @@ def test_with_usual_a_lag_every_round_has_is_waited_for_and_every_round_is_fresh
     assert all(e["clock"] - e["version"] == 1 for e in stale[learnt:]), stale
 
 
+def test_the_worker_the_rounds_wait_on_holds_out_patience_alone_and_the_others_stay_fresh():
+    """Worker 3's pushes 0.5 s late (a host behind a slow link), compute 1 s, patience 0.25, `usual` 1.5: its push
+    completes every round (`Stamp.closer`), so waiting the usual for the version it makes would add its push's way
+    to every round (rounds of 1.5 s, as everyone waiting). Once it knows (`Worker.closes`), it holds out `patience`
+    alone and computes on the version before, while the others wait for its push and compute every round fresh:
+    rounds of 1.25 s, one worker's gradient a round stale instead of all of them (`usual=None`)."""
+    late = OneSlow(WORKERS, 1.0, delay=0.5)
+    fast, _ = starts(ssp(1, stream=True, patience=0.25), 0.0, late)
+    slow = [e for e in _trace_of(ssp(1, stream=True, patience=0.25), late) if e["worker"] == WORKERS - 1]
+    learnt = 2 * USUAL_FROM  # its first holds wait the usual, until it has seen that it completes the rounds
+    for events in (fast, slow):
+        gaps = [b["t"] - a["t"] for a, b in zip(events[learnt:], events[learnt + 1 :], strict=False)]
+        assert gaps and all(g == pytest.approx(1.25) for g in gaps), gaps
+    assert all(e["clock"] == e["version"] for e in fast[learnt:]), fast
+    assert all(e["clock"] - e["version"] == 1 for e in slow[learnt:]), slow
+    everyone, _ = starts(ssp(1, stream=True, patience=0.25, usual=None), 0.0, late)
+    assert all(e["clock"] - e["version"] == 1 for e in everyone[learnt:]), everyone
+
+
+def _trace_of(policy, stragglers: OneSlow) -> list[dict]:
+    """Every worker's start events of a run under `stragglers`."""
+    sim = Simulator(WORKERS, stragglers, seed=0)
+    server = Server(torch.zeros(2), sgd(lr=0.1), policy, WORKERS, steps=ROUNDS, trace=sim.trace)
+    sim.run(server, lambda params, worker, index: torch.ones(2))
+    return sim.trace.of("start")
+
+
 def test_an_unusual_lag_is_not_waited_for_longer_than_patience():
     """One push in twenty 3 s late, compute 1 s: the usual wait is none, so `usual` holds out no longer than
     `patience` alone on the late ones (a wait given up counts, but a few in `USUAL_OF` leave the median at 0): the
