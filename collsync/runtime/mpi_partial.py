@@ -162,7 +162,10 @@ class PartialAllreduce(DirectRounds, PartialWindows):
             return self._await_delivered(quorum, round, out) if self.direct else self._collect(quorum, round, None, out)
         if self.direct:
             record, mean = self._direct_round(data, quorum, round, before, (period, step), out)
-            return self._finish(quorum, round, record, mean)
+            # Its read[] is the writer's to mark (`DirectRounds._mark_read`): no round trip to the host here.
+            result = self._finish(quorum, round, record, mean, store=False)
+            self._stored_read = max(self._stored_read, round + 1)
+            return result
         self._post(data, round)
         if index == quorum - 1:
             self._close(quorum, round, period, step)
@@ -366,7 +369,7 @@ class PartialAllreduce(DirectRounds, PartialWindows):
         contributors, dropped = split([int(r) for r in record[2 : 2 + int(record[1])]], self.size)
         self._previous = len(contributors) >= self.size - len(self.lost)
         if store:
-            self._store(self._read + self.rank, round_ + 1)
+            self._store_read(self.rank, round_ + 1)
             self._stored_read = round_ + 1
         self.round = round_ + 1
         if self.lost:

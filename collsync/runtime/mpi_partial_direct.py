@@ -100,13 +100,15 @@ class DirectRounds:
     _hosts: list[str]
     _who: str
     _parts: Flat | None
-    _large: bool  # whether the vector is past MPI's eager sizes (`LARGE_MESSAGE`): its phases then yield, not sleep
+    _reads: np.ndarray
+    _spin: bool  # whether the exchange's phases yield between tests rather than sleep (`PartialWindows.__init__`)
 
     if TYPE_CHECKING:  # PartialWindows' and PartialAllreduce's
 
         def _close_tickets(self, round_: int) -> tuple[int, int]: ...
         def _extend(self, quorum: int, round_: int, period: float, step: float) -> tuple[int, int]: ...
         def _publish_ready(self, round_: int, record: np.ndarray) -> None: ...
+        def _store_read(self, rank: int, value: int, flush: bool = True) -> None: ...
         def _arrived(self, round_: int) -> int: ...
         def _late(self, round_: int) -> str: ...
         def _entry_at(self, round_: int) -> int: ...
@@ -158,6 +160,7 @@ class DirectRounds:
         self._exchange(data, ranks, listeners, round_, mean)
         record[2 + count :] = -1  # the round's record names its contributors; the listeners were dropped
         if self.rank == writer_of(ranks, self.host, self._hosts):
+            self._mark_read(ranks, round_)
             self._write_ring(mean, record, round_)
             inside = {*ranks, *listeners, *self.lost}
             assert msgs.deliveries is not None
@@ -213,8 +216,8 @@ class DirectRounds:
             self.win_ctrl.Flush(self.host)  # also completes the last read counter's write: its buffer is free
             d.tickets_pending = d.read_pending = False
         if self._stored_read < self.round:
-            d.read_word[0] = self.round
-            self._words.store_many(self._read + self.rank, d.read_word, flush=final)
+            d.read_word[0] = self.round  # its own buffer: in flight until the next Flush
+            self._words.store_many(self._read + self.rank, d.read_word, flush=final, op=self.MPI.MAX)
             self._stored_read, d.read_pending = self.round, not final
 
     def _exchange(self, own: Flat | None, ranks: list[int], listeners: list[int], round_: int, mean: Flat) -> None:
@@ -229,7 +232,7 @@ class DirectRounds:
         late_mean = lambda pending: self._unsummed_by(round_, pending, "mean")  # noqa: E731
         if own is None:  # a listener: every block of the mean from its contributor
             recvs = [(dst[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
-            msgs.wait(msgs.post([], recvs, msgs.tag(round_, MEAN)), self.timeout, late_mean, spin=self._large)
+            msgs.wait(msgs.post([], recvs, msgs.tag(round_, MEAN)), self.timeout, late_mean, spin=self._spin)
             return
         me = ranks.index(self.rank)
         lo, hi = cuts[me]
@@ -240,7 +243,7 @@ class DirectRounds:
         src = own.numpy()
         sends = [(src[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
         recvs = [(parts[i].numpy(), r) for i, r in peers] if width else []
-        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, SUM)), self.timeout, late_sum, spin=self._large)
+        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, SUM)), self.timeout, late_sum, spin=self._spin)
         if width:
             parts[me].copy_(own[lo:hi])
             total = parts[0]  # the host-summed path's additions, in the same order (`mpi_partial._sum_block`)
@@ -249,7 +252,17 @@ class DirectRounds:
             mean[lo:hi].copy_(total.div_(count))
         sends = [(dst[lo:hi], r) for r in [*ranks, *listeners] if r != self.rank] if width else []
         recvs = [(dst[cuts[i][0] : cuts[i][1]], r) for i, r in peers if cuts[i][1] > cuts[i][0]]
-        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, MEAN)), self.timeout, late_mean, spin=self._large)
+        msgs.wait(msgs.post(sends, recvs, msgs.tag(round_, MEAN)), self.timeout, late_mean, spin=self._spin)
+
+    def _mark_read(self, ranks: list[int], round_: int) -> None:
+        """Step 6 for every contributor, by the writer: read[r] <- round_ + 1 in one `Accumulate(MAX)`, completed by
+        the ring's `Flush`. A contributor holds the mean from the exchange and never reads the ring's entry, so it is
+        done with it; writing its own word was a round trip to the host that, across hosts, completed only once the
+        host next entered MPI (it computes meanwhile): a contributor on another host waited for the host's compute
+        every round (benchmarks/README.md, "Backup's read counters")."""
+        self._reads[:] = -1  # MAX with -1 leaves a word alone
+        self._reads[ranks] = round_ + 1
+        self._words.store_many(self._read, self._reads, flush=False, op=self.MPI.MAX)
 
     def _write_ring(self, mean: Flat, record: np.ndarray, round_: int) -> None:
         """Step 5: the mean into the host's ring (flushed), then tag 'ready' and the record in one write."""

@@ -29,8 +29,9 @@ _PHASES = 3  # message tags per round: the record, the blocks of the sum, the bl
 RECORD, SUM, MEAN = range(_PHASES)
 _YIELD_S = 0.05  # how long a data phase yields between tests before it sleeps (`Messages.until`)
 # A vector above this many bytes moves in rendezvous, only while both sides call into MPI: its phases yield between
-# tests. Small ones travel eagerly and their phases sleep as every other wait does (ranks share cores: a yielding
-# rank still takes turns from the one it waits for, and the auto margin's tests measured it).
+# tests. Small ones travel eagerly and, on one host, their phases sleep as every other wait does (ranks share cores:
+# a yielding rank still takes turns from the one it waits for, and the auto margin's tests measured it); across
+# hosts they yield too (`PartialWindows._spin`).
 LARGE_MESSAGE = 1 << 16
 
 # Requests abandoned by a timeout with their buffers: MPI may still complete them (a late peer), writing the buffer.
@@ -110,9 +111,9 @@ class Messages:
         self, posted: Posted, timeout: float | None, late: Callable[[list[Pending]], str], spin: bool = False
     ) -> None:
         """Wait for the `posted` messages (`until`: not MPI's blocking wait, which spins, while the record may wait
-        out a whole margin and ranks share cores); with `spin` (a large vector's phases, which every peer is inside
-        MPI for: over TCP a large message moves only while both sides call into MPI, and a pause of 1 ms stalls it)
-        yielding the core between tests for the first `_YIELD_S`, as `mpi_coll.wait` does. After `timeout` s,
+        out a whole margin and ranks share cores); with `spin` (a large vector's phases, or any across hosts: every
+        peer is inside MPI for them; over TCP a large message moves only while both sides call into MPI, and a pause
+        of 1 ms stalls it) yielding the core between tests for the first `_YIELD_S`, as `mpi_coll.wait` does. After `timeout` s,
         `RankLost` with `late(the messages still pending)`, its requests left to `_STRANDED`."""
         if not posted.requests:
             return

@@ -139,6 +139,10 @@ class PartialWindows(LostRanks, Windows):
         self.win_slots, self.win_ring, self.win_ctrl = self._wins
         self._floor = 0  # a lower bound on every rank's read counter (saves polling the gate)
         self._stored_read = 0  # the value of read[rank] on the host (full rounds leave it behind: `_publish_read`)
+        # One buffer per read[] word this rank may write (`_store_read`), and one for all of them (a direct round's
+        # writer marks its contributors' reads in one write: `DirectRounds._mark_read`).
+        self._read_words = [np.zeros(1, dtype=np.int64) for _ in range(size)]
+        self._reads = np.full(size, -1, dtype=np.int64)
         self._full_rounds = [0] * depth  # per ring entry: the full-quorum rounds that took no ticket
         self._stranded: int | None = None  # the full round whose allreduce timed out (nothing can follow it)
         self._words = Words(self.win_ctrl, host)  # the control words' atomics, as the mailbox's
@@ -147,7 +151,12 @@ class PartialWindows(LostRanks, Windows):
         backoff = Backoff(cap=self._backoff.cap, check=check)
         deliveries = Deliveries(comm, numel, dtype, size) if self.direct else None
         self.msgs = Messages(comm, self._mpi_t, backoff, deliveries) if self.direct else None
-        self._large = numel * np.dtype(self._np).itemsize > LARGE_MESSAGE
+        # The exchange's phases yield between tests, not sleep, for a vector past MPI's eager sizes (it moves only
+        # while both sides call MPI), and across hosts whatever its size: every peer is inside the exchange, and a
+        # pause of up to `poll_cap` per phase, three phases a round, was a third of a digits MLP's backup round with
+        # a host behind a 5 ms link (benchmarks/README.md, "Backup's read counters"). On one host small phases sleep:
+        # ranks share cores there, and a yielding rank takes turns from the one it waits for.
+        self._spin = numel * np.dtype(self._np).itemsize > LARGE_MESSAGE or len(set(self._hosts)) > 1
 
     # -- set-up and tear-down --------------------------------------------------------------------------------------
     def _allocate(self, hosting: bool) -> tuple[Any, Any, Any]:
@@ -190,6 +199,15 @@ class PartialWindows(LostRanks, Windows):
 
     def _store_many(self, disp: int, values: np.ndarray) -> None:
         self._words.store_many(disp, values)
+
+    def _store_read(self, rank: int, value: int, flush: bool = True) -> None:
+        """read[rank] <- max(read[rank], value): several ranks write it (the rank itself, a direct round's writer
+        for its contributors, the reader for a lost rank), in no order MPI keeps across origins, and it only moves
+        on. The value's buffer is the rank's own: with `flush` False it stays untouched until a `Flush` (the
+        caller's next one; `_flush_deferred`)."""
+        word = self._read_words[rank]
+        word[0] = value
+        self._words.store_many(self._read + rank, word, flush=flush, op=self.MPI.MAX)
 
     def _entry_at(self, round_: int) -> int:
         return (round_ % self.depth) * self._entry
@@ -236,7 +254,7 @@ class PartialWindows(LostRanks, Windows):
     def _publish_read(self) -> None:
         """Bring read[rank] up to date after full rounds, before this rank's partial call can wait on anyone."""
         if self._stored_read < self.round:
-            self._store(self._read + self.rank, self.round)
+            self._store_read(self.rank, self.round)
             self._stored_read = self.round
 
     def _check_not_stranded(self) -> None:

@@ -234,9 +234,10 @@ class Words:
             self.win.Flush(self.target)
         return out
 
-    def store_many(self, disp: int, values: np.ndarray, flush: bool = True) -> None:
-        """`values` into the words from `disp`, each written atomically, in one `Accumulate(REPLACE)`."""
+    def store_many(self, disp: int, values: np.ndarray, flush: bool = True, op: Any = None) -> None:
+        """`values` into the words from `disp`, each written atomically, in one `Accumulate(REPLACE)` (or `op`:
+        `MPI.MAX` for a counter that only moves on, whichever of several writes lands last)."""
         target = (disp, len(values), self.MPI.INT64_T)
-        self.win.Accumulate([values, self.MPI.INT64_T], self.target, target=target, op=self.MPI.REPLACE)
+        self.win.Accumulate([values, self.MPI.INT64_T], self.target, target=target, op=op or self.MPI.REPLACE)
         if flush:
             self.win.Flush(self.target)

@@ -434,6 +434,32 @@ def test_direct_exchange_gives_the_host_paths_bits_in_a_constant_number_of_round
     assert all(_same_everywhere(comm, b) for b in seen["direct"] + seen["host"])
 
 
+def test_a_direct_rounds_writer_marks_its_contributors_read_and_they_take_no_atomic_for_it(comm):
+    """A contributor of a direct round never reads the ring (it holds the mean from the exchange), so the round's
+    writer marks read[r] for every contributor in one `Accumulate(MAX)`: a contributor's own atomics are its ticket
+    (and the closer's close) only, where writing its read counter was one more round trip to the host, which across
+    hosts completes only once the host enters MPI. Any world size; every contributor's read[] is exact after each
+    round, and a dropped rank's its own."""
+    n, rank, numel, rounds = comm.Get_size(), comm.Get_rank(), 64, 6
+    quorum = max(1, n - 1)
+    with PartialAllreduce(comm, numel, dtype=torch.float64, depth=2, protocol="direct") as pa:
+        counts = pa.count(RmaCounts())
+        for t in range(rounds):
+            before = counts.copy()
+            result = pa(_contribution(rank, t, numel), quorum=quorum, round=t)
+            atomics = counts.minus(before).ops["Fetch_and_op"]
+            assert torch.equal(result.mean, _expected(result, numel))
+            pa.stop_reading()  # a dropped rank's deferred read[] lands: every word is settled for the check below
+            comm.Barrier()  # every writer's mark is flushed (in its round)
+            if n > 1:
+                mine = [atomics if rank in result.contributors else 0]
+                # The tickets and the one close: count + 1 in all (read counters written too: 2 count + 1).
+                assert sum(sum(a) for a in comm.allgather(mine)) == len(result.contributors) + 1
+                read = pa._load_many(pa._read, n)
+                assert all(int(read[r]) == t + 1 for r in range(n)), (t, read)
+            comm.Barrier()  # nobody starts round t + 1 (and moves a read[]) before every rank checked
+
+
 def test_the_default_protocol_follows_the_placement(comm):
     """`protocol="auto"`, the default: the direct exchange only where the ranks span hosts (by host name)."""
     spans = len(set(comm.allgather(socket.gethostname()))) > 1
