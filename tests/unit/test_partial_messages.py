@@ -54,7 +54,7 @@ def _contributor(rank: int, stuck: set[tuple[int, bool]]) -> DirectRounds:
     """Rank `rank` of 4 (one host each) as a contributor of the direct exchange, its timeouts at once."""
     rounds = DirectRounds()
     rounds.msgs, rounds.rank, rounds.size, rounds.numel, rounds.dtype = _messages(stuck), rank, 4, 6, torch.float64
-    rounds.timeout, rounds._large, rounds._parts = 0.0, False, None
+    rounds.timeout, rounds._spin, rounds._parts = 0.0, False, None
     rounds._who, rounds._hosts = f"rank {rank}", [f"h{r}" for r in range(4)]
     return rounds
 
