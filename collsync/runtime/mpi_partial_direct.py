@@ -22,10 +22,14 @@ t at rank r, once its ticket says it counts:
    A contributor moves 2 (count - 1) / count of the vector each way, what a ring `MPI_Allreduce` moves.
 5. one contributor (the writer: the host if it counts, else one on the host's machine, else the first) Puts the
    mean into the host's ring (tag and record in one `Accumulate(REPLACE)`) and sends it with the record to every
-   rank outside the exchange (`mpi_partial_deliver`: a late rank takes it with no round trip); 6. read[r] <- t + 1.
+   rank outside the exchange (`mpi_partial_deliver`: a late rank takes it with no round trip); 6. the writer also
+   marks read[r] <- t + 1 for every contributor r (one `Accumulate(MAX)`, completed by the ring's Flush): a
+   contributor has the mean from the exchange and never reads the ring, so it writes no read counter of its own.
 
-Round trips to the host per contributor: the ticket and read[r] (the closer adds its close, the writer the ring's
-Put and the tag); three message phases between contributors, each one latency. Membership, the margin, the drop
+Round trips to the host per contributor: the ticket (the closer adds its close, the writer the ring's Put and the
+tag); three message phases between contributors, each one latency. Across hosts an atomic on the host's window
+completes only once the host rank enters MPI: a read counter written by each contributor after its round waited
+for the host's next compute (benchmarks/README.md, "Backup's read counters"). Membership, the margin, the drop
 counting and the lost-rank rules are the host-summed path's (the same ticket word, closed by one atomic; a rank
 lost between rounds has its bit drawn for it). A contributor stopped inside a round holds the others' exchange:
 they fail after `timeout` naming it (and whether a block from it or one to it is pending), as the host-summed path

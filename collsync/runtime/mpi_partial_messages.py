@@ -113,8 +113,8 @@ class Messages:
         """Wait for the `posted` messages (`until`: not MPI's blocking wait, which spins, while the record may wait
         out a whole margin and ranks share cores); with `spin` (a large vector's phases, or any across hosts: every
         peer is inside MPI for them; over TCP a large message moves only while both sides call into MPI, and a pause
-        of 1 ms stalls it) yielding the core between tests for the first `_YIELD_S`, as `mpi_coll.wait` does. After `timeout` s,
-        `RankLost` with `late(the messages still pending)`, its requests left to `_STRANDED`."""
+        of 1 ms stalls it) yielding the core between tests for the first `_YIELD_S`, as `mpi_coll.wait` does. After
+        `timeout` s, `RankLost` with `late(the messages still pending)`, its requests left to `_STRANDED`."""
         if not posted.requests:
             return
         if self.counts is not None:
