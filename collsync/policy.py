@@ -354,9 +354,9 @@ def ssp(
     of its compute; it holds out `patience` alone and computes on the version before (behind a slow link one
     worker's gradient a round stale instead of every round a round trip longer; on one host the version its push
     completes comes within its patience). With the look-ahead's view at the rounds' mean staleness
-    (`rules.lookahead`) that gave, with a host behind a 5 ms link, 1.45x sooner than Horovod on the Fashion-MNIST CNN
-    (+0.5 points; 1.40x with everyone waiting) and 1.86x on the digits MLP (1.13x): benchmarks/README.md, "The worker
-    the rounds wait on".
+    (`rules.lookahead`) that gave, with a host behind a 5 ms link, 1.64x sooner than Horovod on the Fashion-MNIST CNN
+    (ten repeats, +0.4 points; 1.40x with everyone waiting) and 1.86x on the digits MLP (1.13x):
+    benchmarks/README.md, "The worker the rounds wait on".
     Measured before it (benchmarks/README.md, "SSP holds out for the fresh version"): with a host behind a 5 ms link
     (digits MLP, 5 runs) 1.76x sooner than Horovod, against 2.37x with `patience=None` (never wait: every round a
     full `max_lead` stale) and 0.84x with `stream=False`; on the Fashion-MNIST CNN (3 seeds) +1.5 points against
