@@ -335,14 +335,15 @@ class Server:
 
     def _step(self, mean: Flat, batch: list[Arrival], stats: dict[str, list[float]] | None = None) -> None:
         first = batch[0]
+        ages = [self.version - a.version for a in batch]
         ctx = Context(
             step=self.version,
             worker=first.worker if len(batch) == 1 else -1,
-            staleness=max(self.version - a.version for a in batch),
+            staleness=max(ages),
             workers=self.workers,
             read=self._history.get(first.version) if self.needs_read and len(batch) == 1 else None,
             aggregated=len(batch),
-            mean_staleness=sum(self.version - a.version for a in batch) / len(batch),
+            mean_staleness=sum(ages) / len(ages),
         )
         # `mean` is the server's own (see `_owned`): an in-place optimizer writes the delta over it.
         update = self.optimizer.update_ or self.optimizer.update

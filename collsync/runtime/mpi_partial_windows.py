@@ -139,9 +139,9 @@ class PartialWindows(LostRanks, Windows):
         self.win_slots, self.win_ring, self.win_ctrl = self._wins
         self._floor = 0  # a lower bound on every rank's read counter (saves polling the gate)
         self._stored_read = 0  # the value of read[rank] on the host (full rounds leave it behind: `_publish_read`)
-        # One buffer per read[] word this rank may write (`_store_read`), and one for all of them (a direct round's
-        # writer marks its contributors' reads in one write: `DirectRounds._mark_read`).
-        self._read_words = [np.zeros(1, dtype=np.int64) for _ in range(size)]
+        # The buffers of read[] writes: one word (`_store_read`), and every word (a direct round's writer marks its
+        # contributors' reads in one write: `DirectRounds._mark_read`).
+        self._read_word = np.zeros(1, dtype=np.int64)
         self._reads = np.full(size, -1, dtype=np.int64)
         self._full_rounds = [0] * depth  # per ring entry: the full-quorum rounds that took no ticket
         self._stranded: int | None = None  # the full round whose allreduce timed out (nothing can follow it)
@@ -200,14 +200,12 @@ class PartialWindows(LostRanks, Windows):
     def _store_many(self, disp: int, values: np.ndarray) -> None:
         self._words.store_many(disp, values)
 
-    def _store_read(self, rank: int, value: int, flush: bool = True) -> None:
-        """read[rank] <- max(read[rank], value): several ranks write it (the rank itself, a direct round's writer
-        for its contributors, the reader for a lost rank), in no order MPI keeps across origins, and it only moves
-        on. The value's buffer is the rank's own: with `flush` False it stays untouched until a `Flush` (the
-        caller's next one; `_flush_deferred`)."""
-        word = self._read_words[rank]
-        word[0] = value
-        self._words.store_many(self._read + rank, word, flush=flush, op=self.MPI.MAX)
+    def _store_read(self, rank: int, value: int) -> None:
+        """read[rank] <- max(read[rank], value), flushed: several ranks write it (the rank itself, a direct round's
+        writer for its contributors, the reader for a lost rank), in no order MPI keeps across origins, and it only
+        moves on. (A write left to a later `Flush` keeps a buffer of its own: `DirectRounds._flush_deferred`.)"""
+        self._read_word[0] = value
+        self._words.store_many(self._read + rank, self._read_word, op=self.MPI.MAX)
 
     def _entry_at(self, round_: int) -> int:
         return (round_ % self.depth) * self._entry
